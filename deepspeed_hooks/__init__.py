@@ -1,0 +1,83 @@
+"""Fair Cast for DeepSpeed: the ``"export_cast"`` config key.
+
+Enable it in the DeepSpeed config::
+
+    "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 2},
+    "export_cast": {"mode": "fair", "method": "stochastic", "seed": 1234}
+
+and either call :func:`initialize` instead of ``deepspeed.initialize`` (same arguments, same
+return values), or call :func:`patch_deepspeed` once before a launch script's own
+``deepspeed.initialize(...)``.
+"""
+from __future__ import annotations
+
+import deepspeed
+from deepspeed.utils import logger
+
+from faircast_dist import ExportCastConfig, FairCaster
+
+CONFIG_KEY = "export_cast"
+
+
+def parse_config(ds_config: dict) -> ExportCastConfig:
+    """The ``export_cast`` section of a DeepSpeed config dict (absent = nearest, stock).
+
+    Raises:
+        ValueError / TypeError: naming the offending key or value.
+    """
+    try:
+        return ExportCastConfig.from_value(ds_config.get(CONFIG_KEY))
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"DeepSpeed config: {err}") from None
+
+
+def install(engine) -> FairCaster | None:
+    """Install Fair Cast on an initialized DeepSpeed engine, as its config asks.
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine`` whose config may hold ``"export_cast"``.
+
+    Returns:
+        The engine's :class:`FairCaster` (also at ``engine.optimizer.export_caster``), or None
+        when the config does not enable Fair Cast (then nothing is changed: stock behaviour).
+
+    Raises:
+        ValueError: bad ``export_cast`` section; ``fair`` without bf16 or with fp16.
+        NotImplementedError: ``fair`` on an optimizer path this version does not cover yet.
+    """
+    config = parse_config(engine.config)
+    if not config.enabled:
+        return None
+    if engine.fp16_enabled() or not engine.bfloat16_enabled():
+        raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}": mode "fair" needs "bf16": {{"enabled": true}} '
+                         f'(fp16 enabled: {engine.fp16_enabled()}, bf16 enabled: {engine.bfloat16_enabled()})')
+    from deepspeed_hooks import zero12
+    caster = FairCaster(config)
+    zero12.attach(engine.optimizer, caster)
+    logger.info(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) "
+                f"on {type(engine.optimizer).__name__}")
+    return caster
+
+
+def initialize(*args, **kwargs):
+    """Drop-in for ``deepspeed.initialize``: same arguments and return values, plus Fair Cast.
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``deepspeed.initialize``.
+    """
+    result = _DEEPSPEED_INITIALIZE(*args, **kwargs)
+    install(result[0])
+    return result
+
+
+def patch_deepspeed() -> None:
+    """Make ``deepspeed.initialize`` honour ``"export_cast"`` (one line in a launch script).
+
+    Call it before the script's ``deepspeed.initialize(...)``; a script that did
+    ``from deepspeed import initialize`` earlier keeps the unpatched function. Idempotent.
+    """
+    deepspeed.initialize = initialize
+
+
+_DEEPSPEED_INITIALIZE = deepspeed.initialize

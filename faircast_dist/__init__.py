@@ -1,0 +1,14 @@
+"""faircast_dist: framework-free Fair Cast (fp32 master -> bf16 model cast) core.
+
+Modules: :mod:`.philox` (counter-based RNG), :mod:`.rounding` (the casts), :mod:`.shards`
+(global element indices), :mod:`.caster` (config + step + residuals), :mod:`.config`,
+:mod:`.telemetry`. Imports nothing from DeepSpeed or Megatron.
+"""
+from faircast_dist.caster import FairCaster
+from faircast_dist.config import ExportCastConfig
+from faircast_dist.philox import derive_key, philox4x32_10, random_bits16
+from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic
+from faircast_dist.shards import block_index
+
+__all__ = ["FairCaster", "ExportCastConfig", "derive_key", "philox4x32_10", "random_bits16",
+           "cast_nearest", "cast_stochastic", "cast_error_feedback", "block_index"]

@@ -1,0 +1,95 @@
+"""The caster: one export-cast config, the export step, and error-feedback residuals.
+
+Class face (:class:`FairCaster`) for integrations and scripts; the functional casts live in
+:mod:`faircast_dist.rounding`. The bf16 bits of an element depend only on
+(seed, step, canonical parameter name, global element index, master value, residual) — never on
+the layout that holds it (DESIGN.md invariant 1).
+"""
+from __future__ import annotations
+
+import torch
+
+from faircast_dist.config import RESIDUAL_DTYPES, ExportCastConfig
+from faircast_dist.philox import derive_key
+from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic
+
+
+class FairCaster:
+    """Casts fp32 master shards to bf16 with the configured method.
+
+    Args:
+        config: an :class:`ExportCastConfig` (or anything ``ExportCastConfig.from_value`` takes).
+
+    Attributes:
+        step: number of completed exports (int); keys the random bits of stochastic rounding.
+            Call :meth:`advance` once after each whole-model export.
+        residuals: error-feedback residuals owned by the caster, keyed by parameter name, used
+            when :meth:`cast` is not handed one (integrations keep theirs in the optimizer state).
+    """
+
+    def __init__(self, config=None):
+        self.config = config if isinstance(config, ExportCastConfig) else ExportCastConfig.from_value(config)
+        self.step = 0
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    @property
+    def method(self) -> str:
+        """``"nearest"``, ``"stochastic"`` or ``"error_feedback"``."""
+        return self.config.effective_method
+
+    def new_residual(self, master: torch.Tensor) -> torch.Tensor:
+        """A zero residual for ``master`` (same shape and device, the configured dtype)."""
+        return torch.zeros_like(master, dtype=RESIDUAL_DTYPES[self.config.residual_dtype])
+
+    def cast(self, name: str, master: torch.Tensor, index: torch.Tensor | int = 0,
+             out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Cast one shard of parameter ``name`` at the current step.
+
+        Args:
+            name: canonical parameter name (the same on every rank and layout).
+            master: float32 shard, any shape.
+            index: global element indices (int64 tensor shaped like ``master``) or the int
+                global index of the first element of a contiguous shard (default 0: a whole param).
+            out: optional bfloat16 tensor shaped like ``master``, written in place.
+            residual: error feedback only: the shard's residual, updated in place. When None,
+                ``self.residuals[name]`` is used (created as zeros on first use).
+
+        Returns:
+            bfloat16 tensor shaped like ``master`` (``out`` when given).
+
+        Raises:
+            TypeError / ValueError: on wrong dtypes or shapes (see :mod:`faircast_dist.rounding`).
+        """
+        method = self.method
+        if method == "nearest":
+            return cast_nearest(master, out)
+        if method == "stochastic":
+            return cast_stochastic(master, derive_key(self.config.seed, self.step, name), index, out)
+        if residual is None:
+            residual = self.residuals.get(name)
+            if residual is None:
+                residual = self.residuals[name] = self.new_residual(master)
+        return cast_error_feedback(master, residual, out)
+
+    def advance(self) -> None:
+        """Mark one whole-model export as done (the next cast draws fresh random bits)."""
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        """``{"config": dict, "step": int, "residuals": {name: tensor}}``."""
+        return {"config": self.config.to_dict(), "step": self.step, "residuals": dict(self.residuals)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore step and residuals saved by :meth:`state_dict`.
+
+        Residuals are kept only when both the saved and the current method are error feedback.
+        Loading a state of another method is allowed (stochastic <-> nearest carry no state);
+        switching *to* error feedback starts from zero residuals.
+
+        Raises:
+            KeyError: if ``state`` lacks ``step``.
+        """
+        self.step = int(state["step"])
+        saved = ExportCastConfig.from_value(state.get("config"))
+        same = saved.effective_method == self.method == "error_feedback"
+        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()} if same else {}

@@ -1,0 +1,83 @@
+"""The one export-cast configuration that both integrations parse into.
+
+DeepSpeed:  ``"export_cast": {"mode": "fair", "method": "stochastic", "seed": 1234}``
+            (shorthand ``"export_cast": "fair"``).
+Megatron:   ``--export-cast fair --export-cast-method stochastic --export-cast-seed 1234``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+MODES = ("nearest", "fair")
+METHODS = ("stochastic", "error_feedback")
+RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportCastConfig:
+    """How the fp32 master weights are cast to the bf16 model weights.
+
+    Args:
+        mode: ``"nearest"`` (stock round-to-nearest; Fair Cast off) or ``"fair"``.
+        method: with ``mode="fair"``, ``"stochastic"`` (stochastic rounding, stateless) or
+            ``"error_feedback"`` (a residual per element; ``"error-feedback"`` is accepted).
+        seed: seeds the Philox key of stochastic rounding (int, fits int64).
+        residual_dtype: ``"float32"`` (default, exact) or ``"bfloat16"`` (half the memory,
+            the residual itself is then rounded) for error feedback.
+
+    Raises:
+        ValueError: naming the field and the bad value.
+    """
+
+    mode: str = "nearest"
+    method: str = "stochastic"
+    seed: int = 1234
+    residual_dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", str(self.method).replace("-", "_"))
+        if self.mode not in MODES:
+            raise ValueError(f"export_cast.mode must be one of {MODES}, got {self.mode!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"export_cast.method must be one of {METHODS}, got {self.method!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"export_cast.seed must be an int64, got {self.seed!r}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(
+                f"export_cast.residual_dtype must be one of {tuple(RESIDUAL_DTYPES)}, got {self.residual_dtype!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when the cast is not plain round-to-nearest."""
+        return self.mode == "fair"
+
+    @property
+    def effective_method(self) -> str:
+        """``"nearest"``, ``"stochastic"`` or ``"error_feedback"``: what the cast really does."""
+        return self.method if self.enabled else "nearest"
+
+    @classmethod
+    def from_value(cls, value: Any) -> "ExportCastConfig":
+        """Parse a config section: None (off), a mode string, or a dict of the fields above.
+
+        Raises:
+            ValueError: on an unknown key (named, with the allowed keys) or a bad value.
+            TypeError: when ``value`` is neither None, str nor dict.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            return cls(mode=value)
+        if not isinstance(value, dict):
+            raise TypeError(f"export_cast must be a mode string or a dict, got {type(value).__name__}: {value!r}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown key(s) in export_cast: {unknown}; allowed keys are {allowed}")
+        return cls(**value)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

