@@ -44,7 +44,8 @@ def install(engine) -> FairCaster | None:
 
     Raises:
         ValueError: bad ``export_cast`` section; ``fair`` without bf16 or with fp16.
-        NotImplementedError: ``fair`` on an optimizer path this version does not cover yet.
+        NotImplementedError: ``fair`` on an optimizer wrapper this version does not cover
+            (names it), or ZeRO-3 with NVMe parameter swapping.
     """
     config = parse_config(engine.config)
     if not config.enabled:
@@ -52,12 +53,29 @@ def install(engine) -> FairCaster | None:
     if engine.fp16_enabled() or not engine.bfloat16_enabled():
         raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}": mode "fair" needs "bf16": {{"enabled": true}} '
                          f'(fp16 enabled: {engine.fp16_enabled()}, bf16 enabled: {engine.bfloat16_enabled()})')
-    from deepspeed_hooks import zero12
     caster = FairCaster(config)
-    zero12.attach(engine.optimizer, caster)
+    _adapter(engine.optimizer).attach(engine.optimizer, caster, engine.param_names)
     logger.info(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) "
                 f"on {type(engine.optimizer).__name__}")
     return caster
+
+
+def _adapter(optimizer):
+    """The module that handles this optimizer wrapper (one per DeepSpeed bf16 path)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from deepspeed_hooks import stage0, stage3, zero12
+    for types, module in [((DeepSpeedZeroOptimizer, BF16_Optimizer), zero12),
+                          ((FP16_UnfusedOptimizer, FP16_Optimizer), stage0),
+                          ((DeepSpeedZeroOptimizer_Stage3,), stage3)]:
+        if isinstance(optimizer, types):
+            return module
+    raise NotImplementedError(f'"{CONFIG_KEY}" mode "fair" does not support the optimizer wrapper '
+                              f"{type(optimizer).__name__}")
 
 
 def initialize(*args, **kwargs):

@@ -73,9 +73,10 @@ class LagTracker:
         max_lag: K, the number of past master samples kept (ring buffer).
         seed: seeds the choice of the sample (a CPU ``torch.Generator``).
 
-    Use: call :meth:`update` once per step with the flat master and served tensors (or any
-    object indexable by ``self.index``); it returns the lag in steps (int in [0, K]; capped by
-    the number of steps seen so far).
+    ``self.index`` (int64 ``[sample_size]``, sorted) holds the sampled flat element indices,
+    drawn uniformly with replacement (a repeat only weights an element twice; no O(numel) cost).
+    Call :meth:`update` once per step with the master and served values at ``self.index``; it
+    returns the lag in steps (int in [0, K]; capped by the number of steps seen so far).
     """
 
     def __init__(self, numel: int, sample_size: int = 65536, max_lag: int = 200, seed: int = 0):
@@ -83,7 +84,7 @@ class LagTracker:
             raise ValueError(f"LagTracker needs numel > 0, sample_size > 0, max_lag >= 0; got "
                              f"{numel=}, {sample_size=}, {max_lag=}")
         g = torch.Generator().manual_seed(seed)
-        self.index = torch.randperm(numel, generator=g)[:sample_size].sort().values
+        self.index = torch.randint(numel, (sample_size,), generator=g).sort().values
         self.history: deque[torch.Tensor] = deque(maxlen=max_lag + 1)
 
     def update(self, master_sample: torch.Tensor, served_sample: torch.Tensor) -> int:

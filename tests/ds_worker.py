@@ -32,16 +32,29 @@ def batch(step: int):
     return torch.randn(4, 13, generator=g), torch.randn(4, 5, generator=g)
 
 
-def ds_config(world_size: int, stage: int, export_cast, lr: float) -> dict:
+PATHS = ("stage0", "bf16_optimizer", "zero1", "zero2", "zero3", "offload2", "offload3")
+
+
+def ds_config(world_size: int, path: str, export_cast, lr: float) -> dict:
+    """DeepSpeed config for one bf16 optimizer path (see PATHS)."""
+    stage = {"stage0": 0, "bf16_optimizer": 1, "zero1": 1, "zero2": 2, "zero3": 3, "offload2": 2, "offload3": 3}[path]
+    zero = {"stage": stage}
+    if path.startswith("offload"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # partition every param, however small
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "train_batch_size": 4 * world_size,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_force_ds_cpu_optimizer": False,  # torch AdamW with offload (the cast path is the same)
         "steps_per_print": 10**9,
     }
+    if path == "bf16_optimizer":
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if export_cast is not None:
         cfg["export_cast"] = export_cast
     return cfg
@@ -56,28 +69,35 @@ def _worker(rank, world_size, port, opts, out_path):
     import deepspeed.comm.torch  # noqa: F401  (the attribute deepspeed.comm.torch is torch itself)
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the JIT shm op build
     import deepspeed_hooks
-    from deepspeed_hooks import zero12
+    from deepspeed_hooks.export import RESIDUAL_KEY
     from faircast_dist import FairCaster
 
-    cfg = ds_config(world_size, opts["stage"], opts["export_cast"], opts["lr"])
+    cfg = ds_config(world_size, opts["path"], opts["export_cast"], opts["lr"])
     if opts["hook"] == "patch":  # the one-line way for an existing launch script
         deepspeed_hooks.patch_deepspeed()
     init = deepspeed_hooks.initialize if opts["hook"] == "initialize" else deepspeed.initialize
-    model = tiny_model()
+    deepspeed.init_distributed(dist_backend="gloo")
+    if opts["path"] in ("zero3", "offload3"):
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = tiny_model()
+    else:
+        model = tiny_model()
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
-    export = zero12._EXPORTS.get(id(getattr(engine.optimizer, "parallel_partitioned_bit16_groups", None)))
+    export = getattr(engine.optimizer, "fair_export", None)
     first = 0
     if opts["load_dir"]:
         engine.load_checkpoint(opts["load_dir"])
         first = engine.global_steps
-    record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0}
+    record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0,
+              "optimizer": type(engine.optimizer).__name__}
 
     def snapshot():
-        bf16 = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        master = export.gather() if export else {n: deepspeed.utils.safe_get_full_fp32_param(p)
-                                                  for n, p in engine.module.named_parameters()}
-        residual = export.gather(zero12.RESIDUAL_KEY) if export else {}
-        return bf16, master, residual
+        params = list(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            bf16 = {n: p.detach().reshape(-1).clone() for n, p in params}
+        if export is None:
+            return bf16, {n: deepspeed.utils.safe_get_full_fp32_param(p).reshape(-1) for n, p in params}, {}
+        return bf16, export.gather(), export.gather(RESIDUAL_KEY)
 
     prev = snapshot()
     for step in range(first, first + opts["steps"]):
@@ -105,14 +125,14 @@ def _worker(rank, world_size, port, opts, out_path):
     torch.distributed.destroy_process_group()
 
 
-def run(world_size: int, *, stage: int = 2, export_cast=None, steps: int = 4, lr: float = 1e-3,
+def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 4, lr: float = 1e-3,
         hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``hook``: "initialize" (deepspeed_hooks.initialize), "patch" (patch_deepspeed, then
     deepspeed.initialize) or None (stock deepspeed.initialize).
     """
-    opts = dict(stage=stage, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
+    opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")

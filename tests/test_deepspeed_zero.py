@@ -12,8 +12,8 @@ METHODS = {"stochastic": SR, "error_feedback": EF}
 
 
 @functools.lru_cache(maxsize=None)
-def trained(world_size, stage, method, steps=4):
-    return run(world_size, stage=stage, export_cast=METHODS[method], steps=steps)
+def trained(world_size, path, method, steps=4):
+    return run(world_size, path=path, export_cast=METHODS[method], steps=steps)
 
 
 def bits(t):
@@ -27,10 +27,10 @@ def assert_same_models(a, b):
                            bits(b[n]) if b[n].dtype == torch.bfloat16 else b[n]), n
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("path", ["zero1", "zero2"])
 @pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
-def test_every_master_copy_is_fair(stage, method):
-    rank0, rank1 = trained(2, stage, method)
+def test_every_master_copy_is_fair(path, method):
+    rank0, rank1 = trained(2, path, method)
     assert rank0["method"] == method
     # every served element equals the single-process reference cast of the gathered master
     assert rank0["mismatch"] == 0 and rank1["mismatch"] == 0
@@ -41,8 +41,8 @@ def test_every_master_copy_is_fair(stage, method):
 
 @pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
 def test_layout_invariance_dp1_dp2_stage1_stage2(method):
-    ref = trained(1, 2, method)[0]
-    for other in (trained(2, 2, method)[0], trained(2, 1, method)[0]):
+    ref = trained(1, "zero2", method)[0]
+    for other in (trained(2, "zero2", method)[0], trained(2, "zero1", method)[0]):
         for step in range(len(ref["bf16"])):
             assert_same_models(ref["bf16"][step], other["bf16"][step])
             assert_same_models(ref["master"][step], other["master"][step])
@@ -51,9 +51,9 @@ def test_layout_invariance_dp1_dp2_stage1_stage2(method):
 
 @pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
 def test_resume_equals_uninterrupted(method, tmp_path):
-    straight = trained(2, 2, method, steps=5)[0]
-    run(2, stage=2, export_cast=METHODS[method], steps=3, save_dir=str(tmp_path))
-    resumed = run(2, stage=2, export_cast=METHODS[method], steps=2, load_dir=str(tmp_path))[0]
+    straight = trained(2, "zero2", method, steps=5)[0]
+    run(2, export_cast=METHODS[method], steps=3, save_dir=str(tmp_path))
+    resumed = run(2, export_cast=METHODS[method], steps=2, load_dir=str(tmp_path))[0]
     assert resumed["mismatch"] == 0
     for k in range(2):
         assert_same_models(straight["bf16"][3 + k], resumed["bf16"][k])
@@ -69,14 +69,14 @@ def test_off_is_stock_deepspeed():
         for step in range(len(stock["bf16"])):
             assert_same_models(stock["bf16"][step], variant["bf16"][step])
             assert_same_models(stock["master"][step], variant["master"][step])
-    fair = trained(2, 2, "stochastic")[0]
+    fair = trained(2, "zero2", "stochastic")[0]
     assert any(not torch.equal(bits(fair["bf16"][-1][n]), bits(stock["bf16"][-1][n])) for n in fair["bf16"][-1])
 
 
 def test_patch_deepspeed_makes_stock_initialize_honour_the_key():
     patched = run(2, export_cast=SR, hook="patch")[0]
     assert patched["method"] == "stochastic" and patched["mismatch"] == 0
-    assert_same_models(patched["bf16"][-1], trained(2, 2, "stochastic")[0]["bf16"][-1])
+    assert_same_models(patched["bf16"][-1], trained(2, "zero2", "stochastic")[0]["bf16"][-1])
 
 
 @pytest.mark.parametrize("export_cast,match", [

@@ -1,0 +1,251 @@
+"""What every DeepSpeed optimizer path shares: the cast of a rank's fp32 shards and its state.
+
+An optimizer path (ZeRO-1/2, BF16_Optimizer, stage 0, ZeRO-3) is described by its *groups*: each
+group is one fp32 tensor that the base optimizer steps (a flat partition, or a whole param) plus
+its *fragments* — the pieces of named params it holds, each with where it starts in the group,
+its global element index (in the flattened full param) and the bf16 tensor it is served into.
+The adapters in this package only build that description; this module does the rest.
+
+State, kept in the base optimizer's ``state[group fp32 tensor]`` so DeepSpeed's own
+``save_checkpoint``/``load_checkpoint`` carry it with each rank's optimizer state:
+
+* ``"export_cast_step"`` — int: exports done so far (keys the random bits).
+* ``"export_cast_residual"`` — error feedback: float32/bfloat16 tensor shaped like the group.
+* ``"export_cast_served"`` — bfloat16 tensor shaped like the group, written at checkpoint time
+  (and dropped at the next export): the bf16 values served at that step, so that paths that
+  re-round bf16 from fp32 on load (ZeRO-3, universal checkpoints) restore exactly them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from faircast_dist import FairCaster
+from faircast_dist.config import RESIDUAL_DTYPES
+
+STEP_KEY = "export_cast_step"
+RESIDUAL_KEY = "export_cast_residual"
+SERVED_KEY = "export_cast_served"
+STATE_KEYS = (STEP_KEY, RESIDUAL_KEY, SERVED_KEY)
+
+
+@dataclasses.dataclass
+class Fragment:
+    """A piece of one param inside a group's fp32 tensor.
+
+    Attributes:
+        name: canonical param name (``engine.param_names``; the same on every rank and layout).
+        start: offset of the piece in the group's flattened fp32 tensor (elements).
+        numel: number of elements.
+        index: global element index of its first element in the flattened full param.
+        out: bfloat16 1-D tensor of ``numel`` elements the piece is served into.
+    """
+
+    name: str
+    start: int
+    numel: int
+    index: int
+    out: torch.Tensor
+
+
+class OptimizerExport:
+    """Fair Cast on one DeepSpeed optimizer wrapper. Subclasses define :meth:`groups`.
+
+    Args:
+        optimizer: the DeepSpeed optimizer wrapper (``engine.optimizer``).
+        caster: the :class:`FairCaster` built from the ``export_cast`` config.
+        param_names: ``{param: name}`` (``engine.param_names``).
+    """
+
+    #: every rank holds full copies (stage 0): gathering needs no reduction
+    replicated = False
+
+    def __init__(self, optimizer, caster: FairCaster, param_names: dict):
+        self.optimizer, self.caster, self.param_names = optimizer, caster, param_names
+        self.in_step = False
+        self.exported = False
+
+    # ---- what an adapter provides
+    def groups(self) -> list[tuple[torch.Tensor, list[Fragment]]]:
+        """``[(fp32 group tensor, [Fragment, ...]), ...]`` for this rank."""
+        raise NotImplementedError
+
+    def dp_group(self, i: int):
+        """The process group over which group ``i``'s partitions are spread (None = world)."""
+        return None
+
+    # ---- shared machinery
+    def state(self, hp: torch.Tensor) -> dict:
+        return self.optimizer.optimizer.state[hp]
+
+    @torch.no_grad()
+    def export_group(self, i: int) -> None:
+        """Cast group ``i``'s fp32 tensor into its bf16 destinations (this rank's shard only)."""
+        hp, fragments = self.groups()[i]
+        flat, state = hp.view(-1), self.state(hp)
+        state.pop(SERVED_KEY, None)
+        residual = None
+        if self.caster.method == "error_feedback":
+            residual = state.get(RESIDUAL_KEY)
+            if residual is None:
+                residual = state[RESIDUAL_KEY] = self.caster.new_residual(flat)
+        for f in fragments:
+            self.caster.cast(f.name, flat.narrow(0, f.start, f.numel), index=f.index, out=f.out,
+                             residual=None if residual is None else residual.view(-1).narrow(0, f.start, f.numel))
+        self.exported = True
+
+    def finish(self) -> None:
+        """After a step's exports: advance the step and record it in every group's state."""
+        if not self.exported:
+            return
+        self.exported = False
+        self.caster.advance()
+        for hp, _ in self.groups():
+            self.state(hp)[STEP_KEY] = self.caster.step
+
+    def export(self) -> None:
+        """Export every group, then :meth:`finish`."""
+        for i in range(len(self.groups())):
+            self.export_group(i)
+        self.finish()
+
+    @torch.no_grad()
+    def snapshot_served(self) -> None:
+        """Put the bf16 values served now into each group's state (before a checkpoint save)."""
+        for hp, fragments in self.groups():
+            served = torch.zeros(hp.numel(), dtype=torch.bfloat16, device=hp.device)
+            for f in fragments:
+                served.narrow(0, f.start, f.numel).copy_(f.out)
+            state = self.state(hp)
+            state[SERVED_KEY] = served
+            state[STEP_KEY] = self.caster.step
+
+    @torch.no_grad()
+    def restore_served(self) -> bool:
+        """Write the served bf16 values found in the state back (after a load that re-rounded).
+
+        Returns:
+            True if any group had them.
+        """
+        found = False
+        for hp, fragments in self.groups():
+            served = self.state(hp).get(SERVED_KEY)
+            if served is None:
+                continue
+            found = True
+            for f in fragments:
+                f.out.copy_(served.view(-1).narrow(0, f.start, f.numel))
+        return found
+
+    def after_load(self) -> None:
+        """Adopt the cast state just loaded into the base optimizer's state.
+
+        Rules: the export step continues from the checkpoint (0 when it has none). Residuals are
+        kept when the method is error feedback and reused exactly; switching *to* error feedback
+        from a checkpoint without residuals starts them at zero (a warning says so); switching
+        away from error feedback drops them (a warning says so).
+
+        Raises:
+            ValueError: groups disagree on the step, or a residual does not match its group's
+                shape (the message names the params of that group).
+        """
+        groups = self.groups()
+        steps = {self.state(hp).get(STEP_KEY) for hp, _ in groups}
+        if len(steps) != 1:
+            raise ValueError(f"export cast: param groups disagree on {STEP_KEY}: {sorted(map(str, steps))}")
+        (step,) = steps
+        if step is None:
+            logger.warning("export cast: the checkpoint has no export-cast state (written without Fair Cast?): "
+                           "export step starts at 0" + (", residuals at zero" if self.caster.method == "error_feedback" else ""))
+        self.caster.step = int(step or 0)
+        dtype = RESIDUAL_DTYPES[self.caster.config.residual_dtype]
+        for hp, fragments in groups:
+            state = self.state(hp)
+            residual = state.get(RESIDUAL_KEY)
+            if residual is not None and residual.numel() != hp.numel():
+                names = sorted({f.name for f in fragments})
+                raise ValueError(f"export cast: saved {RESIDUAL_KEY} has {residual.numel()} elements but the "
+                                 f"partition holding {names} has {hp.numel()} (saved under another layout?)")
+            if self.caster.method == "error_feedback":
+                if residual is None and step is not None:
+                    logger.warning("export cast: switching to error_feedback: residuals start at zero")
+                elif residual is not None:
+                    # torch's Optimizer.load_state_dict casts float state to the param dtype: undo it.
+                    state[RESIDUAL_KEY] = residual.to(dtype).view(hp.shape)
+            elif residual is not None:
+                logger.warning(f"export cast: the checkpoint has error-feedback residuals but the method is now "
+                               f"{self.caster.method}: dropping them")
+                del state[RESIDUAL_KEY]
+            if state.get(SERVED_KEY) is not None:
+                state[SERVED_KEY] = state[SERVED_KEY].to(torch.bfloat16)
+
+    @torch.no_grad()
+    def gather(self, key: str | None = None) -> dict[str, torch.Tensor]:
+        """Full fp32 tensors of every param from all ranks' groups (collective unless replicated).
+
+        Args:
+            key: a state key of the groups (e.g. ``"export_cast_residual"``), or None for the
+                fp32 master weights.
+
+        Returns:
+            ``{param name: float32 tensor, flattened, of the param's full numel}``; params no
+            group holds on any rank are absent.
+        """
+        pieces: dict[str, list] = {}
+        for i, (hp, fragments) in enumerate(self.groups()):
+            source = hp if key is None else self.state(hp).get(key)
+            for f in fragments:
+                pieces.setdefault(f.name, []).append((i, f, None if source is None else source.view(-1)))
+        numel = {self.param_names[p]: p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                 for p in self.param_names}
+        out = {}
+        for name in sorted(numel):  # the same order on every rank
+            full = torch.zeros(numel[name], dtype=torch.float32)
+            for i, f, src in pieces.get(name, []):
+                if src is not None:
+                    full.narrow(0, f.index, f.numel).copy_(src.narrow(0, f.start, f.numel))
+            if not self.replicated:
+                dist.all_reduce(full, group=self.dp_group(0))
+            out[name] = full
+        return out
+
+
+def wrap_methods(optimizer, export: OptimizerExport, step_exports: bool) -> None:
+    """Wrap ``optimizer.step`` / ``state_dict`` / ``load_state_dict`` on the instance.
+
+    Args:
+        step_exports: True when the adapter exports after ``step`` returns (stage 0); False
+            when it exports from inside ``step`` (a gather or reassign hook), then only marks it.
+    """
+    step, state_dict, load_state_dict = optimizer.step, optimizer.state_dict, optimizer.load_state_dict
+
+    @functools.wraps(step)
+    def fair_step(*args, **kwargs):
+        export.in_step = True
+        try:
+            result = step(*args, **kwargs)
+        finally:
+            export.in_step = False
+        if step_exports and not getattr(optimizer, "overflow", False):
+            export.export()
+        export.finish()
+        return result
+
+    @functools.wraps(state_dict)
+    def fair_state_dict(*args, **kwargs):
+        export.snapshot_served()
+        return state_dict(*args, **kwargs)
+
+    @functools.wraps(load_state_dict)
+    def fair_load_state_dict(*args, **kwargs):
+        result = load_state_dict(*args, **kwargs)
+        export.after_load()
+        return result
+
+    optimizer.step, optimizer.state_dict, optimizer.load_state_dict = fair_step, fair_state_dict, fair_load_state_dict
+    optimizer.export_caster = export.caster
+    optimizer.fair_export = export

@@ -1,0 +1,117 @@
+"""FairCaster (config + step + residuals), the config and the drift telemetry."""
+import math
+
+import pytest
+import torch
+
+from faircast_dist import ExportCastConfig, FairCaster, derive_key
+from faircast_dist.rounding import cast_stochastic
+from faircast_dist.telemetry import LagTracker, bf16_spacing, changed_fraction, gap_ulps, logprob_gap
+
+
+def test_config_parsing_and_errors():
+    assert ExportCastConfig.from_value(None).effective_method == "nearest"
+    assert ExportCastConfig.from_value("fair").effective_method == "stochastic"
+    cfg = ExportCastConfig.from_value({"mode": "fair", "method": "error-feedback", "seed": 3})
+    assert cfg.method == "error_feedback" and cfg.seed == 3 and cfg.enabled
+    assert ExportCastConfig.from_value({"mode": "nearest", "method": "error_feedback"}).effective_method == "nearest"
+    with pytest.raises(ValueError, match=r"unknown key\(s\) in export_cast: \['sed'\]"):
+        ExportCastConfig.from_value({"mode": "fair", "sed": 1})
+    with pytest.raises(ValueError, match="export_cast.method must be one of .* got 'sr'"):
+        ExportCastConfig.from_value({"mode": "fair", "method": "sr"})
+    with pytest.raises(ValueError, match="export_cast.seed"):
+        ExportCastConfig(mode="fair", seed=True)
+    with pytest.raises(ValueError, match="export_cast.residual_dtype"):
+        ExportCastConfig(mode="fair", residual_dtype="float16")
+    with pytest.raises(TypeError, match="export_cast must be a mode string or a dict"):
+        ExportCastConfig.from_value(["fair"])
+
+
+def test_caster_steps_key_the_bits():
+    x = torch.randn(5000)
+    c = FairCaster({"mode": "fair", "seed": 11})
+    a = c.cast("w", x)
+    assert torch.equal(a, cast_stochastic(x, derive_key(11, 0, "w"), 0))
+    c.advance()
+    b = c.cast("w", x)
+    assert torch.equal(b, cast_stochastic(x, derive_key(11, 1, "w"), 0))
+    assert not torch.equal(a, b)
+    assert not torch.equal(b, c.cast("v", x))  # the name keys the bits too
+
+
+def test_caster_nearest_is_stock():
+    x = torch.randn(1000)
+    assert torch.equal(FairCaster(None).cast("w", x).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+def test_caster_state_dict_round_trip_continues_exactly():
+    torch.manual_seed(0)
+    xs = [torch.randn(300) * (1 + 1e-3 * t) for t in range(6)]
+    straight = FairCaster({"mode": "fair", "method": "error_feedback"})
+    out_straight = []
+    for x in xs:
+        out_straight.append(straight.cast("w", x)), straight.advance()
+    first = FairCaster({"mode": "fair", "method": "error_feedback"})
+    for x in xs[:3]:
+        first.cast("w", x), first.advance()
+    resumed = FairCaster({"mode": "fair", "method": "error_feedback"})
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.step == 3
+    for t, x in enumerate(xs[3:], 3):
+        assert torch.equal(resumed.cast("w", x), out_straight[t]), t
+        resumed.advance()
+
+
+def test_switching_method_on_load():
+    sr = FairCaster("fair")
+    sr.step = 5
+    ef = FairCaster({"mode": "fair", "method": "error_feedback"})
+    ef.load_state_dict(sr.state_dict())  # stochastic -> error feedback: residuals start at zero
+    assert ef.step == 5 and ef.residuals == {}
+    ef.cast("w", torch.randn(10) + 1e-3)
+    back = FairCaster("fair")
+    back.load_state_dict(ef.state_dict())  # and back: no state needed
+    assert back.residuals == {}
+
+
+def test_changed_fraction_and_gap_ulps():
+    a = torch.tensor([1.0, 2.0, 3.0, 4.0]).to(torch.bfloat16)
+    b = a.clone()
+    b[1] = 2.015625
+    assert changed_fraction(a, b) == 0.25
+    x = torch.randn(100_000)
+    assert gap_ulps(x.to(torch.bfloat16), x) <= 0.5  # RTN is within half an ulp
+    assert 0.2 < gap_ulps(x.to(torch.bfloat16), x) < 0.3  # ~0.25 for uniform fractional parts
+    with pytest.raises(TypeError):
+        changed_fraction(a.float(), b)
+
+
+def test_bf16_spacing():
+    x = torch.tensor([1.0, 1.5, 2.0, -0.75, 2.0**-133, 0.0, float(torch.finfo(torch.bfloat16).max), math.inf])
+    s = bf16_spacing(x)
+    assert s[:7].tolist() == [2**-7, 2**-7, 2**-6, 2**-8, 2**-133, 2**-133, 2.0**120]
+    assert math.isnan(s[7])
+
+
+def test_lag_tracker_finds_the_lag():
+    tracker = LagTracker(numel=1000, sample_size=200, max_lag=10, seed=0)
+    g = torch.Generator().manual_seed(1)
+    masters = [torch.randn(1000, generator=g)]
+    for _ in range(12):
+        masters.append(masters[-1] + 0.01 * torch.randn(1000, generator=g))
+    lags = []
+    for t, m in enumerate(masters):
+        served = masters[max(t - 3, 0)]  # a server three steps behind
+        lags.append(tracker.update(m[tracker.index], served[tracker.index]))
+    assert lags[:4] == [0, 1, 2, 3] and all(lag == 3 for lag in lags[4:])
+
+
+def test_logprob_gap():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    assert logprob_gap(logits, logits, targets) == (0.0, 0.0)
+    shifted = logits.clone()
+    shifted[..., 0] += 1.0
+    gap, kl = logprob_gap(logits, shifted, targets)
+    assert gap > 0 and kl > 0
