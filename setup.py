@@ -7,6 +7,7 @@ setup(
                 "fp32 master -> bf16 model cast, shard-aware and reproducible under any layout",
     packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches"]),
     python_requires=">=3.10",
+    entry_points={"console_scripts": ["faircast-served=deepspeed_hooks.served:main"]},
     # torch is not pinned: install the build you want first (the Makefile installs torch==2.13.0).
     install_requires=["torch>=2.3", "numpy"],
     extras_require={

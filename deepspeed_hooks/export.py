@@ -214,6 +214,33 @@ class OptimizerExport:
         return out
 
 
+@torch.no_grad()
+def load_full(export: OptimizerExport, values: dict[str, torch.Tensor], key: str | None = None) -> None:
+    """Write full per-param tensors into this rank's groups (the inverse of ``gather``).
+
+    Args:
+        export: the optimizer's :class:`OptimizerExport`.
+        values: ``{param name: tensor with the param's full numel}`` (any float dtype).
+        key: None to set the fp32 master weights, or a state key (e.g. the residual; created
+            with the residual dtype when missing).
+
+    Raises:
+        KeyError: a param this rank holds is missing from ``values`` (names it).
+    """
+    for hp, fragments in export.groups():
+        if key is None:
+            target = hp.view(-1)
+        else:
+            state = export.state(hp)
+            if state.get(key) is None:
+                state[key] = export.caster.new_residual(hp.view(-1))
+            target = state[key].view(-1)
+        for f in fragments:
+            if f.name not in values:
+                raise KeyError(f"load_full: no value for param {f.name!r}")
+            target.narrow(0, f.start, f.numel).copy_(values[f.name].reshape(-1).narrow(0, f.index, f.numel))
+
+
 def wrap_methods(optimizer, export: OptimizerExport, step_exports: bool) -> None:
     """Wrap ``optimizer.step`` / ``state_dict`` / ``load_state_dict`` on the instance.
 

@@ -60,6 +60,18 @@ def ds_config(world_size: int, path: str, export_cast, lr: float) -> dict:
     return cfg
 
 
+def preset_state(names_numel: dict[str, int]):
+    """A training state to load into any layout: off-grid fp32 masters and |residual| <= ulp/2."""
+    import zlib
+    from faircast_dist.telemetry import bf16_spacing
+    master, residual = {}, {}
+    for name, numel in names_numel.items():
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        master[name] = torch.randn(numel, generator=g) * 0.1
+        residual[name] = (torch.rand(numel, generator=g) - 0.5) * bf16_spacing(master[name])
+    return master, residual
+
+
 def _worker(rank, world_size, port, opts, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
@@ -69,7 +81,8 @@ def _worker(rank, world_size, port, opts, out_path):
     import deepspeed.comm.torch  # noqa: F401  (the attribute deepspeed.comm.torch is torch itself)
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the JIT shm op build
     import deepspeed_hooks
-    from deepspeed_hooks.export import RESIDUAL_KEY
+    from deepspeed_hooks.export import RESIDUAL_KEY, load_full
+    from deepspeed_hooks.served import served_weights
     from faircast_dist import FairCaster
 
     cfg = ds_config(world_size, opts["path"], opts["export_cast"], opts["lr"])
@@ -99,6 +112,15 @@ def _worker(rank, world_size, port, opts, out_path):
             return bf16, {n: deepspeed.utils.safe_get_full_fp32_param(p).reshape(-1) for n, p in params}, {}
         return bf16, export.gather(), export.gather(RESIDUAL_KEY)
 
+    if opts["preset"]:
+        # one step at lr 0 creates the optimizer state; then load the preset state and export it
+        engine.backward(torch.nn.functional.mse_loss(engine(batch(0)[0].to(torch.bfloat16)).float(), batch(0)[1]))
+        engine.step()
+        numel = {n: p.ds_numel if hasattr(p, "ds_numel") else p.numel() for n, p in engine.module.named_parameters()}
+        master, residual = preset_state(numel)
+        load_full(export, master)
+        if export.caster.method == "error_feedback":
+            load_full(export, residual, RESIDUAL_KEY)
     prev = snapshot()
     for step in range(first, first + opts["steps"]):
         x, y = batch(step)
@@ -119,21 +141,25 @@ def _worker(rank, world_size, port, opts, out_path):
         prev = (bf16, master, residual)
     if opts["save_dir"]:
         engine.save_checkpoint(opts["save_dir"])
+    # the export API: full bf16 tensors, small buckets so ZeRO-3 gathers several times
+    record["served_api"] = {n: t.reshape(-1).clone() for n, t in served_weights(engine, bucket_bytes=1024)}
     record["method"] = export.caster.method if export else None
+    record["export_step"] = export.caster.step if export else None
     torch.save(record, f"{out_path}.{rank}")
     engine.destroy()
     torch.distributed.destroy_process_group()
 
 
 def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 4, lr: float = 1e-3,
-        hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None) -> list[dict]:
+        hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None,
+        preset: bool = False) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``hook``: "initialize" (deepspeed_hooks.initialize), "patch" (patch_deepspeed, then
     deepspeed.initialize) or None (stock deepspeed.initialize).
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
-                save_dir=save_dir, load_dir=load_dir)
+                save_dir=save_dir, load_dir=load_dir, preset=preset)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         mp.spawn(_worker, args=(world_size, free_port(), opts, out), nprocs=world_size, join=True)

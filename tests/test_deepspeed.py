@@ -1,0 +1,122 @@
+"""DeepSpeed with ``"export_cast"``: real gloo runs (2-4 ranks) of a tiny model on every bf16
+optimizer path. The reference for every check is the single-process cast of the gathered state."""
+import functools
+
+import pytest
+import torch
+
+from ds_worker import PATHS, preset_state, run
+from faircast_dist import FairCaster
+
+SR = {"mode": "fair", "method": "stochastic", "seed": 7}
+EF = {"mode": "fair", "method": "error_feedback"}
+METHODS = {"stochastic": SR, "error_feedback": EF}
+STEPS = 5
+
+
+@functools.lru_cache(maxsize=None)
+def trained(world_size, path, method, steps=STEPS):
+    return run(world_size, path=path, export_cast=METHODS[method], steps=steps)
+
+
+def bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(bits(a[n]), bits(b[n])), n
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
+def test_every_master_copy_is_fair(path, method):
+    rank0, rank1 = trained(2, path, method)
+    assert rank0["method"] == method and rank0["export_step"] == STEPS
+    # every served element, at every step, equals the single-process reference cast of the
+    # gathered master (and, for error feedback, the gathered residual of the step before)
+    assert rank0["mismatch"] == 0 and rank1["mismatch"] == 0, rank0["optimizer"]
+    assert rank0["rtn_differs"] > 100  # ... which is not what round-to-nearest gives: the check bites
+    for a, b in zip(rank0["bf16"], rank1["bf16"]):  # every rank sees the same model (replicas agree)
+        assert_same(a, b)
+    assert_same(rank0["served_api"], rank0["bf16"][-1])  # the export API yields the served model
+
+
+LAYOUTS = [("stage0", 1), ("zero2", 1), ("zero1", 2), ("bf16_optimizer", 2), ("zero3", 2), ("zero2", 4), ("zero3", 4)]
+
+
+@pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
+def test_layout_invariance_one_state_many_layouts(method):
+    """One training state (masters, residuals, step) loaded into stage 0/1/2/3, BF16_Optimizer and
+    DP 1/2/4 exports bitwise the same bf16 model — the single-process reference."""
+    exports = {}
+    for path, world in LAYOUTS:
+        record = run(world, path=path, export_cast=METHODS[method], steps=1, lr=0.0, preset=True)[0]
+        assert record["export_step"] == 2 and record["mismatch"] == 0
+        exports[(path, world)] = record["bf16"][-1]
+    numel = {n: t.numel() for n, t in exports[LAYOUTS[0]].items()}
+    master, residual = preset_state(numel)
+    ref = FairCaster(METHODS[method])
+    ref.step = 1  # the export after the warm-up step
+    expected = {n: ref.cast(n, master[n], residual=residual[n].clone()) for n in numel}
+    for layout, served in exports.items():
+        assert_same(served, expected)
+
+
+@pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
+def test_trajectory_dp1_equals_dp2_zero1_zero2(method):
+    ref = trained(1, "zero2", method)[0]
+    for other in (trained(2, "zero2", method)[0], trained(2, "zero1", method)[0]):
+        for step in range(STEPS):
+            assert_same(ref["bf16"][step], other["bf16"][step])
+            assert_same(ref["master"][step], other["master"][step])
+            assert_same(ref["residual"][step], other["residual"][step])
+
+
+RESUME = [(p, "error_feedback") for p in PATHS] + [("stage0", "stochastic"), ("zero3", "stochastic")]
+
+
+@pytest.mark.parametrize("path,method", RESUME)
+def test_resume_equals_uninterrupted(path, method, tmp_path):
+    from deepspeed_hooks.served import read_checkpoint
+    straight = trained(2, path, method)[0]
+    first = run(2, path=path, export_cast=METHODS[method], steps=3, save_dir=str(tmp_path))[0]
+    # the CLI's reader gives back exactly the bf16 model served when the checkpoint was written
+    assert_same({n: t.reshape(-1) for n, t in read_checkpoint(str(tmp_path)).items()}, first["bf16"][-1])
+    resumed = run(2, path=path, export_cast=METHODS[method], steps=2, load_dir=str(tmp_path))[0]
+    assert resumed["mismatch"] == 0 and resumed["export_step"] == STEPS
+    for k in range(2):
+        assert_same(straight["bf16"][3 + k], resumed["bf16"][k])
+        assert_same(straight["master"][3 + k], resumed["master"][k])
+        assert_same(straight["residual"][3 + k], resumed["residual"][k])
+
+
+def test_off_is_stock_deepspeed():
+    stock = run(2, export_cast=None, hook=None)[0]
+    for variant in (run(2, export_cast={"mode": "nearest", "method": "error_feedback"})[0],
+                    run(2, export_cast=None)[0]):
+        assert variant["method"] is None
+        for step in range(len(stock["bf16"])):
+            assert_same(stock["bf16"][step], variant["bf16"][step])
+            assert_same(stock["master"][step], variant["master"][step])
+    fair = trained(2, "zero2", "stochastic")[0]
+    assert any(not torch.equal(bits(fair["bf16"][3][n]), bits(stock["bf16"][3][n])) for n in fair["bf16"][3])
+
+
+def test_patch_deepspeed_makes_stock_initialize_honour_the_key():
+    patched = run(2, export_cast=SR, hook="patch", steps=STEPS)[0]
+    assert patched["method"] == "stochastic" and patched["mismatch"] == 0
+    assert_same(patched["bf16"][-1], trained(2, "zero2", "stochastic")[0]["bf16"][-1])
+
+
+@pytest.mark.parametrize("export_cast,match", [
+    ({"mode": "fair", "methd": "stochastic"}, r"unknown key\(s\) in export_cast: \['methd'\]"),
+    ({"mode": "fiar"}, "export_cast.mode must be one of"),
+    ("fair-ish", "export_cast.mode must be one of"),
+    ({"mode": "fair", "seed": "7"}, "export_cast.seed must be an int64"),
+    (["fair"], "export_cast must be a mode string or a dict"),
+])
+def test_bad_config_is_an_error_naming_the_key(export_cast, match):
+    with pytest.raises(Exception, match=match):
+        run(1, export_cast=export_cast, steps=1)
