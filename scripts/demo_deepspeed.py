@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--max-lag", type=int, default=100, help="K: past master samples kept for lag_steps")
     p.add_argument("--lag-sample", type=int, default=65536, help="elements sampled for lag_steps")
     p.add_argument("--out-dir", default="runs/demo", help="where telemetry.csv and telemetry.png go")
+    p.add_argument("--save-served", default=None, metavar="PATH",
+                   help="also write the trainer's final served bf16 model to this safetensors file")
     return p.parse_args(argv)
 
 
@@ -254,6 +256,15 @@ def main(argv=None):
                 records.append(dict(step=step, method=m, loss=loss_all.item() / world, **row))
             bar.set_postfix(loss=f"{loss_all.item() / world:.3f}",
                             **{f"chg%_{m[:2]}": f"{rows[m]['changed_pct']:.2f}" for m in METHODS})
+    if args.save_served:
+        from safetensors.torch import save_file
+
+        from deepspeed_hooks.served import served_weights
+        weights = {n: t.contiguous().clone() for n, t in served_weights(engine)}  # collective under ZeRO-3
+        if rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(args.save_served)), exist_ok=True)
+            save_file(weights, args.save_served)
+            print(f"Wrote the served bf16 model to {os.path.abspath(args.save_served)}")
     if rank == 0:
         csv_path, png_path = summarize(records, args.trainer_cast, args.out_dir)
         print(f"Trainer's bf16 model bit-identical to the side-by-side {args.trainer_cast} export at every step: "
