@@ -12,7 +12,11 @@ return values), or call :func:`patch_deepspeed` once before a launch script's ow
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import deepspeed
+from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from faircast_dist import ExportCastConfig, FairCaster
@@ -55,6 +59,7 @@ def install(engine) -> FairCaster | None:
                          f'(fp16 enabled: {engine.fp16_enabled()}, bf16 enabled: {engine.bfloat16_enabled()})')
     caster = FairCaster(config)
     _adapter(engine.optimizer).attach(engine.optimizer, caster, engine.param_names)
+    _commit_after_all_ranks(engine)
     logger.info(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) "
                 f"on {type(engine.optimizer).__name__}")
     return caster
@@ -76,6 +81,33 @@ def _adapter(optimizer):
             return module
     raise NotImplementedError(f'"{CONFIG_KEY}" mode "fair" does not support the optimizer wrapper '
                               f"{type(optimizer).__name__}")
+
+
+def _commit_after_all_ranks(engine) -> None:
+    """Make ``save_checkpoint`` point ``latest`` at a tag only once every rank has written it.
+
+    DeepSpeed 0.19 lets rank 0 write ``latest`` as soon as its own files are written, so a rank
+    killed mid-save can leave ``latest`` naming a half-written checkpoint. Here every rank saves
+    with ``save_latest=False``, all ranks meet at a barrier, and rank 0 then replaces ``latest``
+    atomically (write a temporary file, ``os.replace``). A crash before that leaves the previous
+    checkpoint as ``latest``.
+    """
+    save = engine.save_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006 (DeepSpeed's signature)
+        tag = tag if tag is not None else f"global_step{engine.global_steps}"
+        result = save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
+        dist.barrier()
+        if save_latest and dist.get_rank() == 0:
+            tmp = os.path.join(save_dir, "latest.tmp")
+            with open(tmp, "w") as f:
+                f.write(str(tag))
+            os.replace(tmp, os.path.join(save_dir, "latest"))
+        dist.barrier()
+        return result
+
+    engine.save_checkpoint = save_checkpoint
 
 
 def initialize(*args, **kwargs):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 from deepspeed import comm as dist
@@ -141,8 +142,13 @@ class OptimizerExport:
                 f.out.copy_(served.view(-1).narrow(0, f.start, f.numel))
         return found
 
-    def after_load(self) -> None:
+    def after_load(self, universal_folder: str | None = None) -> None:
         """Adopt the cast state just loaded into the base optimizer's state.
+
+        Args:
+            universal_folder: the universal checkpoint just loaded, if any: its Fair Cast files
+                (written by :mod:`deepspeed_hooks.checkpoint`) are read into this rank's groups,
+                each element's residual and served value following the element.
 
         Rules: the export step continues from the checkpoint (0 when it has none). Residuals are
         kept when the method is error feedback and reused exactly; switching *to* error feedback
@@ -154,6 +160,8 @@ class OptimizerExport:
                 shape (the message names the params of that group).
         """
         groups = self.groups()
+        if universal_folder is not None:
+            self._load_universal(universal_folder)
         steps = {self.state(hp).get(STEP_KEY) for hp, _ in groups}
         if len(steps) != 1:
             raise ValueError(f"export cast: param groups disagree on {STEP_KEY}: {sorted(map(str, steps))}")
@@ -182,6 +190,22 @@ class OptimizerExport:
                 del state[RESIDUAL_KEY]
             if state.get(SERVED_KEY) is not None:
                 state[SERVED_KEY] = state[SERVED_KEY].to(torch.bfloat16)
+
+    def _load_universal(self, folder: str) -> None:
+        from deepspeed_hooks.checkpoint import UNIVERSAL_STATE_FILE, read_universal
+        if not os.path.exists(os.path.join(folder, "zero", UNIVERSAL_STATE_FILE)):
+            return  # converted without Fair Cast state: after_load's rules for a plain checkpoint apply
+        names = sorted({f.name for _, fragments in self.groups() for f in fragments})
+        meta, values = read_universal(folder, names)
+        for hp, _ in self.groups():
+            state = self.state(hp)
+            state[STEP_KEY] = meta["step"]
+            for key in (RESIDUAL_KEY, SERVED_KEY):
+                state.pop(key, None)  # DeepSpeed's own loader may have put an fp32 copy there
+        if RESIDUAL_KEY in values:
+            load_full(self, values[RESIDUAL_KEY], RESIDUAL_KEY)
+        if SERVED_KEY in values:
+            load_full(self, values[SERVED_KEY], SERVED_KEY, dtype=torch.bfloat16)
 
     @torch.no_grad()
     def gather(self, key: str | None = None) -> dict[str, torch.Tensor]:
@@ -215,14 +239,15 @@ class OptimizerExport:
 
 
 @torch.no_grad()
-def load_full(export: OptimizerExport, values: dict[str, torch.Tensor], key: str | None = None) -> None:
+def load_full(export: OptimizerExport, values: dict[str, torch.Tensor], key: str | None = None,
+              dtype: torch.dtype | None = None) -> None:
     """Write full per-param tensors into this rank's groups (the inverse of ``gather``).
 
     Args:
         export: the optimizer's :class:`OptimizerExport`.
         values: ``{param name: tensor with the param's full numel}`` (any float dtype).
-        key: None to set the fp32 master weights, or a state key (e.g. the residual; created
-            with the residual dtype when missing).
+        key: None to set the fp32 master weights, or a state key (created when missing, with
+            ``dtype``, default the residual dtype).
 
     Raises:
         KeyError: a param this rank holds is missing from ``values`` (names it).
@@ -233,7 +258,8 @@ def load_full(export: OptimizerExport, values: dict[str, torch.Tensor], key: str
         else:
             state = export.state(hp)
             if state.get(key) is None:
-                state[key] = export.caster.new_residual(hp.view(-1))
+                state[key] = (export.caster.new_residual(hp.view(-1)) if dtype is None
+                              else torch.zeros(hp.numel(), dtype=dtype, device=hp.device))
             target = state[key].view(-1)
         for f in fragments:
             if f.name not in values:
@@ -270,7 +296,7 @@ def wrap_methods(optimizer, export: OptimizerExport, step_exports: bool) -> None
     @functools.wraps(load_state_dict)
     def fair_load_state_dict(*args, **kwargs):
         result = load_state_dict(*args, **kwargs)
-        export.after_load()
+        export.after_load(kwargs.get("checkpoint_folder"))
         return result
 
     optimizer.step, optimizer.state_dict, optimizer.load_state_dict = fair_step, fair_state_dict, fair_load_state_dict

@@ -10,13 +10,12 @@ With Fair Cast the model's bf16 params *are* what Fair Cast served. Stages 0/1/2
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 from collections.abc import Iterator
 
 import torch
 
+from deepspeed_hooks.checkpoint import read_state
 from deepspeed_hooks.export import SERVED_KEY
 
 
@@ -67,30 +66,11 @@ def read_checkpoint(folder: str, tag: str | None = None) -> dict[str, torch.Tens
     if os.path.exists(dense):  # stage 0/1/2: the saved module is the served bf16 model
         module = torch.load(dense, map_location="cpu", weights_only=False, mmap=True)["module"]
         return {n: t.to(torch.bfloat16).contiguous() for n, t in module.items()}
-    ranks = sorted(int(m.group(1)) for f in os.listdir(path)
-                   if (m := re.fullmatch(r"bf16_zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", f)))
-    if not ranks:
-        raise FileNotFoundError(f"no DeepSpeed checkpoint files in {path}")
-    shapes = torch.load(os.path.join(path, "zero_pp_rank_0_mp_rank_00_model_states.pt"), map_location="cpu",
-                        weights_only=False, mmap=True)["param_shapes"]
-    served = []  # served[rank][sub_group]: flat bf16 partition
-    for r in ranks:
-        sd = torch.load(os.path.join(path, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"), map_location="cpu",
-                        weights_only=False, mmap=True)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
-        if any(SERVED_KEY not in sd[i] for i in range(len(shapes))):
-            raise ValueError(f"{path} has no '{SERVED_KEY}' in rank {r}'s optimizer state: a ZeRO-3 checkpoint "
-                             f"stores no bf16 weights unless it was written with Fair Cast")
-        served.append([sd[i][SERVED_KEY].to(torch.bfloat16) for i in range(len(shapes))])
-    world, out = len(ranks), {}
-    for i, group in enumerate(shapes):
-        offset = 0
-        for name, shape in group.items():
-            numel = math.prod(shape)
-            pn = math.ceil(numel / world)
-            full = torch.cat([served[r][i][offset:offset + pn] for r in range(world)])
-            out[name] = full[:numel].view(shape).clone()
-            offset += pn
-    return out
+    served, _ = read_state(path, SERVED_KEY)  # ZeRO-3: rebuild from the per-rank served partitions
+    if not served:
+        raise ValueError(f"{path} has no '{SERVED_KEY}' in its optimizer state: a ZeRO-3 checkpoint stores no "
+                         f"bf16 weights unless it was written with Fair Cast")
+    return served
 
 
 def main(argv=None) -> None:

@@ -35,7 +35,7 @@ def batch(step: int):
 PATHS = ("stage0", "bf16_optimizer", "zero1", "zero2", "zero3", "offload2", "offload3")
 
 
-def ds_config(world_size: int, path: str, export_cast, lr: float) -> dict:
+def ds_config(world_size: int, path: str, export_cast, lr: float, universal: bool = False) -> dict:
     """DeepSpeed config for one bf16 optimizer path (see PATHS)."""
     stage = {"stage0": 0, "bf16_optimizer": 1, "zero1": 1, "zero2": 2, "zero3": 3, "offload2": 2, "offload3": 3}[path]
     zero = {"stage": stage}
@@ -53,6 +53,8 @@ def ds_config(world_size: int, path: str, export_cast, lr: float) -> dict:
         "zero_force_ds_cpu_optimizer": False,  # torch AdamW with offload (the cast path is the same)
         "steps_per_print": 10**9,
     }
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     if path == "bf16_optimizer":
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if export_cast is not None:
@@ -85,7 +87,8 @@ def _worker(rank, world_size, port, opts, out_path):
     from deepspeed_hooks.served import served_weights
     from faircast_dist import FairCaster
 
-    cfg = ds_config(world_size, opts["path"], opts["export_cast"], opts["lr"])
+    cfg = ds_config(world_size, opts["path"], opts["export_cast"], opts["lr"], universal=opts["load_tag"] is not None)
+    cfg["bf16"]["enabled"] = opts["bf16"]
     if opts["hook"] == "patch":  # the one-line way for an existing launch script
         deepspeed_hooks.patch_deepspeed()
     init = deepspeed_hooks.initialize if opts["hook"] == "initialize" else deepspeed.initialize
@@ -99,7 +102,7 @@ def _worker(rank, world_size, port, opts, out_path):
     export = getattr(engine.optimizer, "fair_export", None)
     first = 0
     if opts["load_dir"]:
-        engine.load_checkpoint(opts["load_dir"])
+        engine.load_checkpoint(opts["load_dir"], tag=opts["load_tag"])
         first = engine.global_steps
     record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0,
               "optimizer": type(engine.optimizer).__name__}
@@ -121,10 +124,12 @@ def _worker(rank, world_size, port, opts, out_path):
         load_full(export, master)
         if export.caster.method == "error_feedback":
             load_full(export, residual, RESIDUAL_KEY)
-    prev = snapshot()
+    prev = record["start"] = snapshot()
     for step in range(first, first + opts["steps"]):
+        if opts["save_dir"] and step in opts["save_at"]:
+            engine.save_checkpoint(opts["save_dir"])
         x, y = batch(step)
-        loss = torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), y)
+        loss = torch.nn.functional.mse_loss(engine(x.to(next(engine.parameters()).dtype)).float(), y)
         engine.backward(loss)
         engine.step()
         bf16, master, residual = snapshot()
@@ -140,6 +145,12 @@ def _worker(rank, world_size, port, opts, out_path):
         record["bf16"].append(bf16), record["master"].append(master), record["residual"].append(residual)
         prev = (bf16, master, residual)
     if opts["save_dir"]:
+        if opts["crash_on_save"] and rank == 1:  # die half-way through writing this rank's file
+            def torn_save(obj, f, *args, **kwargs):
+                with open(f, "wb") as fh:
+                    fh.write(b"PK\x03\x04 torn")
+                os._exit(17)
+            torch.save = torn_save
         engine.save_checkpoint(opts["save_dir"])
     # the export API: full bf16 tensors, small buckets so ZeRO-3 gathers several times
     record["served_api"] = {n: t.reshape(-1).clone() for n, t in served_weights(engine, bucket_bytes=1024)}
@@ -152,15 +163,23 @@ def _worker(rank, world_size, port, opts, out_path):
 
 def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 4, lr: float = 1e-3,
         hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None,
-        preset: bool = False) -> list[dict]:
+        load_tag: str | None = None, preset: bool = False, save_at: tuple = (),
+        crash_on_save: bool = False, bf16: bool = True) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``hook``: "initialize" (deepspeed_hooks.initialize), "patch" (patch_deepspeed, then
     deepspeed.initialize) or None (stock deepspeed.initialize).
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
-                save_dir=save_dir, load_dir=load_dir, preset=preset)
+                save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
+                save_at=save_at, crash_on_save=crash_on_save, bf16=bf16)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
-        mp.spawn(_worker, args=(world_size, free_port(), opts, out), nprocs=world_size, join=True)
+        for attempt in range(3):
+            try:
+                mp.spawn(_worker, args=(world_size, free_port(), opts, out), nprocs=world_size, join=True)
+                break
+            except mp.ProcessRaisedException as err:  # another process took the free port meanwhile
+                if "EADDRINUSE" not in str(err) or attempt == 2:
+                    raise
         return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world_size)]

@@ -120,3 +120,73 @@ def test_patch_deepspeed_makes_stock_initialize_honour_the_key():
 def test_bad_config_is_an_error_naming_the_key(export_cast, match):
     with pytest.raises(Exception, match=match):
         run(1, export_cast=export_cast, steps=1)
+
+
+def test_fair_without_bf16_is_an_error():
+    with pytest.raises(Exception, match=r'"export_cast": mode "fair" needs "bf16": \{"enabled": true\}'):
+        run(1, export_cast=SR, steps=1, bf16=False)
+
+
+@pytest.mark.parametrize("path,world,new_world", [("zero2", 2, 1), ("zero3", 2, 1), ("zero2", 4, 2)])
+def test_universal_checkpoint_keeps_residuals_across_dp_sizes(path, world, new_world, tmp_path):
+    import os
+    from deepspeed_hooks.checkpoint import to_universal
+    saved = run(world, path=path, export_cast=EF, steps=3, save_dir=str(tmp_path))[0]
+    to_universal(os.path.join(tmp_path, "global_step3"), os.path.join(tmp_path, "universal"))
+    resumed = run(new_world, path=path, export_cast=EF, steps=2, load_dir=str(tmp_path), load_tag="universal")[0]
+    loaded_bf16, loaded_master, loaded_residual = resumed["start"]
+    # each element's master, residual and served value follow it to the new layout, exactly
+    assert_same(loaded_master, saved["master"][-1])
+    assert_same(loaded_residual, saved["residual"][-1])
+    assert_same(loaded_bf16, saved["bf16"][-1])  # not DeepSpeed's re-rounding to nearest
+    assert resumed["mismatch"] == 0 and resumed["export_step"] == 5
+    if new_world == 1:  # stock ZeRO is bitwise the same at DP 1 and 2: so must the resumed run be
+        straight = trained(world, path, "error_feedback")[0]
+        for k in range(2):
+            assert_same(straight["bf16"][3 + k], resumed["bf16"][k])
+            assert_same(straight["master"][3 + k], resumed["master"][k])
+
+
+def test_universal_conversion_needs_fair_cast_state(tmp_path):
+    import os
+    from deepspeed_hooks.checkpoint import to_universal
+    run(2, export_cast=None, steps=1, save_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="not written with Fair Cast"):
+        to_universal(os.path.join(tmp_path, "global_step1"), os.path.join(tmp_path, "universal"))
+
+
+def test_switching_method_on_load(tmp_path):
+    ef_dir, plain_dir = tmp_path / "ef", tmp_path / "plain"
+    saved = run(2, export_cast=EF, steps=3, save_dir=str(ef_dir))[0]
+    # error feedback -> stochastic: no state needed, residuals dropped (with a warning)
+    sr = run(2, export_cast=SR, steps=2, load_dir=str(ef_dir))[0]
+    assert_same(sr["start"][0], saved["bf16"][-1])
+    assert all(not r.any() for r in sr["start"][2].values())
+    assert sr["mismatch"] == 0 and sr["export_step"] == 5
+    # no Fair Cast -> error feedback: the step starts at 0, residuals at zero (with a warning)
+    run(2, export_cast=None, steps=3, save_dir=str(plain_dir))
+    ef = run(2, export_cast=EF, steps=2, load_dir=str(plain_dir))[0]
+    assert all(not r.any() for r in ef["start"][2].values())
+    assert ef["mismatch"] == 0 and ef["export_step"] == 2
+
+
+def test_residual_of_another_partitioning_is_an_error_naming_params(tmp_path):
+    run(2, export_cast=EF, steps=2, save_dir=str(tmp_path))
+    f = tmp_path / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    sd = torch.load(f, weights_only=False)
+    state = sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+    state["export_cast_residual"] = state["export_cast_residual"][:-3]
+    torch.save(sd, f)
+    with pytest.raises(Exception, match=r"export_cast_residual has \d+ elements but the partition holding \[.*'5.bias'"):
+        run(2, export_cast=EF, steps=1, load_dir=str(tmp_path))
+
+
+def test_rank_killed_mid_save_leaves_previous_checkpoint_as_latest(tmp_path):
+    with pytest.raises(Exception):
+        run(2, export_cast=EF, steps=5, save_at=(3,), save_dir=str(tmp_path), crash_on_save=True)
+    assert (tmp_path / "latest").read_text() == "global_step3"
+    resumed = run(2, export_cast=EF, steps=2, load_dir=str(tmp_path))[0]
+    straight = trained(2, "zero2", "error_feedback")[0]
+    for k in range(2):
+        assert_same(straight["bf16"][3 + k], resumed["bf16"][k])
+        assert_same(straight["residual"][3 + k], resumed["residual"][k])
