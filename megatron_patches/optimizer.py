@@ -159,9 +159,9 @@ class MegatronExport:
         shards = {id(s.model_param): s for s in self.shards()}
         dtype = compat_residual_dtype(self.caster)
         residual = {}
+        # every rank lists every param (dist-checkpointing checks that main replicas cover each
+        # tensor, on load too); a rank keeps only its own range after loading
         for param, layout in self._all_params():
-            if is_loading and id(param) not in shards:
-                continue  # nothing of this param to load on this rank
             entry = entries.get(id(param))
             if entry is None:
                 raise ValueError(f"Fair Cast: param {layout.name!r} is missing from the model "

@@ -11,7 +11,15 @@ bucket groups, pipeline schedules), and the CUDA RNG tracker (dropout, weight in
 * ``Tensor.type()`` (no argument) reports ``torch.cuda.<T>`` names, which is what Megatron
   compares against;
 * ``torch.cuda`` stream / event / synchronize / RNG-state calls become no-ops or use the CPU
-  generator, and ``model_parallel_cuda_manual_seed`` seeds a tracker on the CPU generator.
+  generator, and ``model_parallel_cuda_manual_seed`` seeds a tracker on the CPU generator;
+* without Apex/TE, Megatron falls back to torch AdamW, whose per-param ``step`` tensor the
+  DistributedOptimizer's checkpoint loaders mishandle (``dp_reshardable`` copies back the stale
+  ``step`` of the load template, so a resumed run is not bitwise the uninterrupted one, and
+  ``fully_reshardable`` raises ``KeyError: 'step'``). GPU runs use TE/Apex FusedAdam, which keeps
+  ``step`` in the param groups, so the shim makes the loaders leave ``step`` to
+  ``load_state_dict`` (which restores it from the saved param groups), as FusedAdam would;
+  and ``DistributedOptimizer.load_state_dict`` gives every param the *same* ``step`` tensor,
+  which torch AdamW then increments once per param per step: the shim un-shares it.
 
 Never import this from the library: it changes global torch behaviour for the whole process.
 """
@@ -163,5 +171,26 @@ def install() -> None:
     import megatron.core.tensor_parallel as tp
     tp.model_parallel_cuda_manual_seed = manual_seed
     tp.get_cuda_rng_tracker = tracker and tp_random.get_cuda_rng_tracker
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    original_set = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original_set(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        for key, dst in {"param": main_param, **self.optimizer.state[main_param]}.items():
+            if key != "step":
+                dst.copy_(tensors[key])
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    original_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+    DistributedOptimizer.load_state_dict = load_state_dict
 
     _CudaToCpu().__enter__()  # for the rest of the process

@@ -281,9 +281,16 @@ def export_only(model, optimizer):
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
+def unwrap(model):
+    """DDP -> Float16Module -> GPTModel (Megatron-LM's checkpointing unwraps the same way)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def save(model, optimizer, ckpt_dir, sharding_type):
     from megatron.core import dist_checkpointing
-    model_sd = model.sharded_state_dict()
+    model_sd = unwrap(model).sharded_state_dict()
     sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
         model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": sharding_type})}
     dist_checkpointing.save(sd, ckpt_dir, _strategy())
@@ -291,11 +298,14 @@ def save(model, optimizer, ckpt_dir, sharding_type):
 
 def load(model, optimizer, ckpt_dir, sharding_type):
     from megatron.core import dist_checkpointing
-    model_sd = model.sharded_state_dict()
+    for leaf in leaves(optimizer):  # as Megatron-LM's load_checkpoint does: allocate lazy state
+        if hasattr(leaf, "_init_optimizer_states_with_dummy_values") and not leaf.optimizer.state:
+            leaf._init_optimizer_states_with_dummy_values()
+    model_sd = unwrap(model).sharded_state_dict()
     sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
         model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": sharding_type})}
     loaded = dist_checkpointing.load(sd, ckpt_dir)
-    model.load_state_dict(loaded["model"])
+    unwrap(model).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
 
 
