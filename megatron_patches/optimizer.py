@@ -238,8 +238,8 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
         NotImplementedError: optimizer CPU offload.
     """
     if getattr(config, "fp16", False):
-        raise ValueError(f"--export-cast fair needs bf16 mixed precision, but {where} has fp16=True "
-                         "(--fp16): the model params would be fp16, which Fair Cast does not produce")
+        raise ValueError(f"--export-cast fair needs --bf16, but {where} has fp16=True (--fp16): "
+                         "the model params would be fp16, which Fair Cast does not produce")
     if not getattr(config, "bf16", False):
         raise ValueError(f"--export-cast fair needs --bf16 (bf16 model params with fp32 masters); "
                          f"{where} has bf16=False")

@@ -78,7 +78,7 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install"):
     else:
         optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
         if how == "install":
-            megatron_patches.install(optimizer, config, [model])
+            megatron_patches.install(optimizer, config, [model])  # how == "none": stock
     return model, optimizer, cfg
 
 
@@ -290,6 +290,7 @@ def unwrap(model):
 
 def save(model, optimizer, ckpt_dir, sharding_type):
     from megatron.core import dist_checkpointing
+    os.makedirs(ckpt_dir, exist_ok=True)
     model_sd = unwrap(model).sharded_state_dict()
     sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
         model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": sharding_type})}
@@ -372,25 +373,37 @@ def _run_job(tp, pp, job: dict) -> dict:
 
 
 def _compare_copy_paths(model, optimizer):
-    """Bits written by _copy_main_params_to_param_buffer vs _copy_main_params_to_model_params."""
+    """Bits written by _copy_main_params_to_param_buffer vs _copy_main_params_to_model_params.
+
+    Returns one ``(differing elements, owned elements, steps advanced)`` per DistOpt leaf;
+    leaves the buffers, step and residuals as they were.
+    """
     results = []
     for leaf in leaves(optimizer):
         if not hasattr(leaf, "_copy_main_params_to_param_buffer"):
             continue
         export = leaf.export_cast
         step, residuals = export.caster.step, {k: v.clone() for k, v in export.residuals.items()}
-        buffers = [b.param_data for b in leaf.buffers for b in b.buckets]
-        leaf._copy_main_params_to_model_params()
-        a = [_bits(t).clone() for t in buffers]
+        buffers = [bucket.param_data for b in leaf.buffers for bucket in b.buckets]
+        saved = [t.clone() for t in buffers]
+
+        def written(copy):
+            export.caster.step = step
+            for k, v in residuals.items():
+                export.residuals[k].copy_(v)
+            for t in buffers:
+                t.fill_(float("nan"))
+            copy()
+            return [_bits(export._target(s)).clone() for s in export.shards()], export.caster.step - step
+
+        a, _ = written(leaf._copy_main_params_to_model_params)
+        b, advanced = written(leaf._copy_main_params_to_param_buffer)
+        results.append((sum(int((x != y).sum()) for x, y in zip(a, b)), sum(x.numel() for x in a), advanced))
+        for t, v in zip(buffers, saved):
+            t.copy_(v)
         export.caster.step = step
         for k, v in residuals.items():
             export.residuals[k].copy_(v)
-        for t in buffers:
-            t.zero_()
-        leaf._copy_main_params_to_param_buffer()
-        b = [_bits(t).clone() for t in buffers]
-        owned = sum(s.end - s.start for s in export.shards())
-        results.append((sum(int((x != y).sum()) for x, y in zip(a, b)), owned, export.caster.step - step))
     return results
 
 
