@@ -170,7 +170,7 @@ def install() -> None:
     tp_random.model_parallel_cuda_manual_seed = manual_seed
     import megatron.core.tensor_parallel as tp
     tp.model_parallel_cuda_manual_seed = manual_seed
-    tp.get_cuda_rng_tracker = tracker and tp_random.get_cuda_rng_tracker
+    tp.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker
 
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     original_set = DistributedOptimizer._set_main_param_and_optimizer_states
