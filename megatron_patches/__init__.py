@@ -1,0 +1,92 @@
+"""Fair Cast for Megatron: ``--export-cast fair`` in megatron-core's mixed-precision optimizers.
+
+Three ways in, from least to most code:
+
+1. A Megatron-LM launch script (``pretrain_gpt.py``), no edits to Megatron's files — one line
+   after its imports::
+
+       import megatron_patches; megatron_patches.activate()
+
+   Then ``--export-cast fair [--export-cast-method error-feedback] [--export-cast-seed 7]``
+   parse (the group is added to ``add_megatron_arguments``), and every optimizer built by
+   ``get_megatron_optimizer`` reads them from ``get_args()``.
+
+2. A script with its own ``extra_args_provider``: chain it,
+   ``pretrain(..., extra_args_provider=with_export_cast_args(my_provider))`` (plus
+   ``activate()`` for the optimizer), or pass :func:`add_export_cast_args` itself.
+
+3. Code that builds optimizers with ``get_megatron_optimizer`` directly::
+
+       optimizer = get_megatron_optimizer(opt_config, model_chunks)
+       install(optimizer, ExportCastConfig(mode="fair", method="error_feedback"), model_chunks)
+
+See :mod:`megatron_patches.optimizer` for where the cast happens and how checkpoints carry it.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Optional
+
+from faircast_dist import ExportCastConfig
+from megatron_patches.args import add_export_cast_args, config_from_args, with_export_cast_args
+from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install
+
+__all__ = ["activate", "install", "add_export_cast_args", "with_export_cast_args", "config_from_args",
+           "check_config", "ExportCastConfig", "MegatronExport", "STATE_KEY"]
+
+_ORIGINAL = {}
+
+
+def _args_config() -> ExportCastConfig:
+    try:
+        from megatron.training.global_vars import get_args
+    except ImportError as err:
+        raise RuntimeError("megatron_patches.activate() without a config needs Megatron-LM's "
+                           "megatron.training (get_args); pass activate(config=...) instead") from err
+    return config_from_args(get_args())
+
+
+def activate(config: Optional[ExportCastConfig] = None) -> None:
+    """Turn on ``--export-cast`` for everything built after this call (idempotent).
+
+    * adds the argument group to Megatron-LM's ``add_megatron_arguments`` when
+      ``megatron.training`` is importable (so ``parse_args`` knows the flags whatever
+      ``extra_args_provider`` the script passes);
+    * wraps ``get_megatron_optimizer`` in ``megatron.core.optimizer`` and in every loaded module
+      that imported it by name (e.g. ``megatron.training.training``): the optimizer it returns
+      gets :func:`install` with ``config``, or with the parsed arguments when ``config`` is None.
+
+    Args:
+        config: the export-cast config to use; None reads ``megatron.training.get_args()`` at
+            optimizer build time.
+    """
+    _ORIGINAL["config"] = config
+    try:
+        from megatron.training import arguments
+    except ImportError:
+        arguments = None
+    if arguments is not None and "add_megatron_arguments" not in _ORIGINAL:
+        original_add = _ORIGINAL["add_megatron_arguments"] = arguments.add_megatron_arguments
+
+        @functools.wraps(original_add)
+        def add_megatron_arguments(parser, *args, **kwargs):
+            return add_export_cast_args(original_add(parser, *args, **kwargs))
+        arguments.add_megatron_arguments = add_megatron_arguments
+
+    import megatron.core.optimizer as core_optimizer
+    original = _ORIGINAL.setdefault("get_megatron_optimizer", core_optimizer.get_megatron_optimizer)
+
+    @functools.wraps(original)
+    def get_megatron_optimizer(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[1]
+        chosen = _ORIGINAL["config"] if _ORIGINAL["config"] is not None else _args_config()
+        install(optimizer, chosen, model_chunks)
+        return optimizer
+    get_megatron_optimizer._faircast = True
+
+    for module in list(sys.modules.values()):
+        current = getattr(module, "__dict__", {}).get("get_megatron_optimizer")  # no lazy imports
+        if current is original or getattr(current, "_faircast", False):
+            setattr(module, "get_megatron_optimizer", get_megatron_optimizer)

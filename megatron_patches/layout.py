@@ -1,0 +1,223 @@
+"""Where a rank's model param sits in the full model: canonical name and global element indices.
+
+The source of truth is the model's own ``sharded_state_dict()`` — the metadata Megatron's
+dist-checkpointing uses to move tensors between TP/PP/DP layouts. For each param it gives a
+``ShardedTensor`` (or, for SwiGLU ``linear_fc1``, a ``ShardedTensorFactory`` whose halves are
+sharded separately) with:
+
+* ``key``: the param's checkpoint key; layers are stacked, e.g.
+  ``decoder.layers.self_attention.linear_qkv.weight`` for every layer;
+* ``prepend_axis_num`` leading axes (the global layer number under PP) and
+  ``global_shape`` / ``global_offset``: where the TP-local block sits in the full tensor.
+
+From that, for every TP-local param:
+
+* **canonical name** = the key with the global layer number put back after ``layers.``
+  (``decoder.layers.3.self_attention.linear_qkv.weight``), leading ``module.`` removed. It is the
+  same on every rank and layout; a PP stage's local ``layers.0`` gets its global number; the
+  last stage's copy of tied embeddings is named ``embedding.word_embeddings.weight`` like the
+  first stage's (Megatron's checkpoint key for it), so both copies round identically.
+* **global element index** of a local element = its row-major flat index in the full param
+  (per layer, without the layer axis). Vocab padding rows sit at the end of dim 0, so real rows
+  keep their indices whatever the padding.
+
+A param is described by its :class:`Block` list: contiguous runs of the flattened TP-local param
+that are each a dense block of the full param (one block for a plain TP shard, two for SwiGLU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Sequence
+
+import torch
+
+from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
+
+_LAYERS = re.compile(r"(^|\.)layers\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A run ``[start, start + numel)`` of the flattened TP-local param that is a dense block.
+
+    ``global_shape``/``offset``/``local_shape`` describe the block inside the full param
+    (row-major, no layer axis).
+    """
+
+    start: int
+    global_shape: tuple
+    offset: tuple
+    local_shape: tuple
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def contiguous(self) -> bool:
+        """True when the block is one contiguous run of global indices (split on dim 0 only)."""
+        return tuple(self.local_shape[1:]) == tuple(self.global_shape[1:])
+
+    @property
+    def base(self) -> int:
+        """Global flat index of the block's first element."""
+        index, stride = 0, 1
+        for g, o in zip(reversed(self.global_shape), reversed(self.offset)):
+            index += o * stride
+            stride *= g
+        return index
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Canonical name and blocks of one TP-local model param (see the module docstring)."""
+
+    name: str
+    numel: int
+    blocks: tuple
+
+    def index(self, start: int, end: int, device=None) -> torch.Tensor | int:
+        """Global element indices of elements ``[start, end)`` of the flattened TP-local param.
+
+        Returns:
+            an int (the global index of element ``start``) when the run is contiguous in the full
+            param, else an int64 tensor of shape ``(end - start,)``.
+        """
+        parts = []
+        for b in self.blocks:
+            lo, hi = max(start, b.start), min(end, b.start + b.numel)
+            if lo >= hi:
+                continue
+            if b.contiguous:
+                if lo == start and hi == end:
+                    return b.base + (lo - b.start)
+                parts.append(torch.arange(lo - b.start, hi - b.start, dtype=torch.int64, device=device)
+                             + b.base)
+                continue
+            parts.append(_block_range_index(b, lo - b.start, hi - b.start, device))
+        return torch.cat(parts)
+
+
+def _block_range_index(b: Block, lo: int, hi: int, device) -> torch.Tensor:
+    """Global flat indices of elements ``[lo, hi)`` of block ``b`` (row-major), as int64."""
+    local = torch.arange(lo, hi, dtype=torch.int64, device=device)
+    index = torch.zeros_like(local)
+    stride = 1
+    for g, o, n in zip(reversed(b.global_shape), reversed(b.offset), reversed(b.local_shape)):
+        index += (local % n + o) * stride
+        local = local // n
+        stride *= g
+    return index
+
+
+def _strip(key: str) -> str:
+    while key.startswith("module."):
+        key = key[len("module."):]
+    return key
+
+
+def canonical_name(sh: ShardedTensor) -> str:
+    """Canonical param name of a model ShardedTensor (see the module docstring)."""
+    key, p = _strip(sh.key), sh.prepend_axis_num
+    if p == 0:
+        return key
+    if p == 1 and _LAYERS.search(key):
+        return _LAYERS.sub(lambda m: f"{m.group(1)}layers.{sh.global_offset[0]}.", key, count=1)
+    # e.g. MoE experts (layer and expert axes): any fixed spelling of the offsets will do
+    return f"{key}@{','.join(str(o) for o in sh.global_offset[:p])}"
+
+
+def _flat_start(param: torch.Tensor, part: torch.Tensor) -> int:
+    if not part.is_contiguous():
+        raise NotImplementedError(f"a non-contiguous shard of {tuple(param.shape)} in the model's "
+                                  "sharded_state_dict; Fair Cast cannot map it")
+    return (part.data_ptr() - param.data_ptr()) // param.element_size()
+
+
+def _sharded_tensors(x) -> list:
+    if isinstance(x, ShardedTensor):
+        return [x]
+    values = x.values() if isinstance(x, dict) else x
+    return [sh for v in values for sh in _sharded_tensors(v)]
+
+
+def describe(param: torch.Tensor, entry) -> ParamLayout:
+    """The :class:`ParamLayout` of ``param`` from its entry in the model's sharded_state_dict.
+
+    Args:
+        param: the TP-local model param (the entry's ``data``).
+        entry: its ``ShardedTensor`` or ``ShardedTensorFactory``.
+
+    Raises:
+        NotImplementedError: for shardings Fair Cast cannot map (flattened ranges, factories
+            whose parts have different keys, parts that do not tile the param).
+    """
+    parts = _sharded_tensors(entry.build() if isinstance(entry, ShardedTensorFactory) else entry)
+    names = {canonical_name(sh) for sh in parts}
+    if len(names) != 1 or any(getattr(sh, "flattened_range", None) is not None for sh in parts):
+        raise NotImplementedError(f"param {canonical_name(parts[0])!r}: unsupported sharding "
+                                  f"(keys {sorted(names)}) for Fair Cast")
+    blocks = []
+    for sh in parts:
+        p = sh.prepend_axis_num
+        blocks.append(Block(_flat_start(param, sh.data), tuple(sh.global_shape[p:]),
+                            tuple(sh.global_offset[p:]), tuple(sh.data.shape)))
+    blocks.sort(key=lambda b: b.start)
+    covered = 0
+    for b in blocks:
+        if b.start != covered:
+            raise NotImplementedError(f"param {names.pop()!r}: sharded parts do not tile the param")
+        covered += b.numel
+    if covered != param.numel():
+        raise NotImplementedError(f"param {names.pop()!r}: sharded parts cover {covered} of "
+                                  f"{param.numel()} elements")
+    return ParamLayout(names.pop(), param.numel(), tuple(blocks))
+
+
+def model_entries(model_chunks: Sequence[torch.nn.Module], sharded_state_dict=None) -> dict:
+    """``{id(param): ShardedTensor or factory}`` for every param of the model chunks.
+
+    Args:
+        model_chunks: the model chunks as handed to ``get_megatron_optimizer`` (DDP-wrapped).
+        sharded_state_dict: a model sharded state dict to read instead of building one (for
+            several chunks, a list with one per chunk, or the merged dict).
+    """
+    if sharded_state_dict is None:
+        sharded_state_dict = [chunk.sharded_state_dict() for chunk in model_chunks]
+    entries = {}
+
+    def visit(x):
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory)):
+            if isinstance(x.data, torch.Tensor):
+                entries[id(x.data)] = x
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    visit(sharded_state_dict)
+    return entries
+
+
+def describe_model(model_chunks: Sequence[torch.nn.Module]) -> dict:
+    """``{id(param): ParamLayout}`` for every trainable param of the model chunks.
+
+    Raises:
+        ValueError: a trainable param missing from the model's sharded_state_dict (named).
+    """
+    entries = model_entries(model_chunks)
+    layouts = {}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            entry = entries.get(id(param))
+            if entry is None:
+                raise ValueError(f"Fair Cast: param {name!r} is not in the model's sharded_state_dict(), "
+                                 "so its global name and element indices are unknown")
+            layouts[id(param)] = describe(param, entry)
+    return layouts

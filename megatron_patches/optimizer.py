@@ -1,0 +1,342 @@
+"""Fair Cast inside megatron-core's mixed-precision optimizers (the adapter).
+
+Where Megatron rounds: ``MixedPrecisionOptimizer.step_with_ready_grads`` runs the inner optimizer,
+then ``_copy_main_params_to_model_params`` writes each fp32 master into the bf16 model
+(round to nearest):
+
+* ``DistributedOptimizer``: each DP rank writes the masters of the param ranges it owns
+  (``_get_model_param_range_map(param)["param"]``, a run of the flattened TP-local param) into
+  the bucket's ``param_data``; the DDP all-gather then gives every rank the whole bf16 model.
+  ``_copy_main_params_to_param_buffer`` (MXFP8 grad-buffer reuse) writes the same slices.
+* ``Float16OptimizerWithFloat16Params``: every rank writes its whole TP-local params.
+
+:func:`install` wraps those two methods on the optimizer instance: the stock copy runs, then
+every bf16 target it wrote is overwritten with the Fair Cast of the same master slice, keyed by
+the param's canonical name and global element indices (:mod:`megatron_patches.layout`). So each
+rank casts exactly the master elements it owns, and every element's bits are independent of the
+layout; TP/DP replicas cast identical masters and get identical bits without communication.
+
+State (in :class:`MegatronExport`, carried by the optimizer's ``sharded_state_dict``):
+
+* ``step`` — exports done (int, keys the random bits), saved as common state;
+* error feedback: one residual per owned master shard (``residual_dtype``, shaped like the
+  shard), saved in *model space*: a ShardedTensor per param with the model param's own
+  checkpoint metadata, key ``optimizer.export_cast.residual.<model key>``. So residuals reshard
+  like the model, under any DistributedOptimizer format (``dp_reshardable``,
+  ``fully_reshardable``) and the Float16 optimizer alike: each element's residual follows it.
+  For the DistributedOptimizer the DP shards are gathered per param (bit-exact int all-reduce)
+  when saving, and each rank slices its range out when loading.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import replace
+
+import torch
+
+from faircast_dist import ExportCastConfig, FairCaster
+from megatron_patches import compat
+from megatron_patches.layout import ParamLayout, describe_model, model_entries
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "export_cast"
+RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.residual."
+_CHUNK = 1 << 22  # elements cast per call: bounds the int64 index temporaries
+
+
+@dataclasses.dataclass
+class _Shard:
+    model_param: torch.nn.Parameter
+    main: torch.Tensor  # fp32 master shard (flat for DistOpt, param-shaped for Float16)
+    start: int  # the shard is elements [start, end) of the flattened TP-local param
+    end: int
+    layout: ParamLayout
+
+
+class MegatronExport:
+    """Fair Cast on one leaf optimizer (``DistributedOptimizer`` or the Float16 optimizer).
+
+    Args:
+        optimizer: the leaf Megatron optimizer.
+        caster: its :class:`FairCaster` (mode ``fair``).
+        layouts: ``{id(model param): ParamLayout}`` from :func:`describe_model`.
+        model_chunks: the model chunks (used when a sharded_state_dict call gets no model dict).
+
+    Attributes:
+        residuals: error feedback only: ``{id(model param): tensor}`` shaped like the rank's
+            master shard of that param (``caster.config.residual_dtype``).
+    """
+
+    def __init__(self, optimizer, caster: FairCaster, layouts: dict, model_chunks):
+        self.optimizer, self.caster, self.model_chunks = optimizer, caster, list(model_chunks)
+        self.distributed = isinstance(optimizer, compat.DistributedOptimizer)
+        self.layouts = layouts
+        self.residuals = {}
+        if caster.method == "error_feedback":
+            self.residuals = {id(s.model_param): caster.new_residual(s.main) for s in self.shards()}
+        self._internal_load = False
+
+    # -- where the masters are ------------------------------------------------------------------
+    def shards(self):
+        """This rank's bf16 master shards, in optimizer order (a fresh list of :class:`_Shard`)."""
+        opt, out = self.optimizer, []
+        if self.distributed:
+            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
+        else:
+            groups = zip(opt.float16_groups, opt.fp32_from_float16_groups)
+        for model_group, main_group in groups:
+            for model_param, main in zip(model_group, main_group):
+                if self.distributed:
+                    r = opt._get_model_param_range_map(model_param)["param"]
+                    start, end = r.start, r.end
+                else:
+                    start, end = 0, model_param.numel()
+                out.append(_Shard(model_param, main, start, end, self.layouts[id(model_param)]))
+        return out
+
+    def _target(self, shard: _Shard) -> torch.Tensor:
+        """The bf16 tensor the stock copy wrote for ``shard`` (flat view)."""
+        opt = self.optimizer
+        if not self.distributed:
+            return shard.model_param.data.view(-1)
+        world = opt._get_model_param_range_map(shard.model_param)["gbuf_world_in_bucket"]
+        gbuf_index, _, bucket_id = opt.model_param_gbuf_map[shard.model_param]
+        return opt.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start:world.end]
+
+    # -- the export -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def export(self) -> None:
+        """Overwrite this rank's bf16 targets with the Fair Cast of its masters; advance the step."""
+        for shard in self.shards():
+            master, out = shard.main.detach().view(-1), self._target(shard)
+            if out.dtype != torch.bfloat16:
+                raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {out.dtype}, not bfloat16")
+            residual = self.residuals.get(id(shard.model_param))
+            residual = None if residual is None else residual.view(-1)
+            for lo in range(0, master.numel(), _CHUNK):
+                hi = min(lo + _CHUNK, master.numel())
+                self.caster.cast(shard.layout.name, master[lo:hi],
+                                 shard.layout.index(shard.start + lo, shard.start + hi, master.device),
+                                 out=out[lo:hi], residual=None if residual is None else residual[lo:hi])
+        self.caster.advance()
+
+    def reset_residuals(self) -> None:
+        """Zero the residuals (after the masters were reloaded from the model)."""
+        for r in self.residuals.values():
+            r.zero_()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _all_params(self):
+        """(model param, layout) for every bf16 param this optimizer handles on any DP rank."""
+        if not self.distributed:
+            return [(s.model_param, s.layout) for s in self.shards()]
+        return [(p, self.layouts[id(p)]) for buffer in self.optimizer.buffers
+                for p in buffer.param_index_map if id(p) in self.layouts and p.dtype == torch.bfloat16]
+
+    def _full_residual(self, param, shards_by_param) -> torch.Tensor:
+        """The TP-local param's whole residual (collective over the DP group for DistOpt)."""
+        shard = shards_by_param.get(id(param))
+        if not self.distributed:
+            return self.residuals[id(param)]
+        dtype = compat_residual_dtype(self.caster)
+        device = next(iter(self.residuals.values())).device if self.residuals else param.device
+        bits = torch.zeros(param.numel(), dtype=torch.int32, device=device)
+        if shard is not None:
+            bits[shard.start:shard.end] = _to_bits(self.residuals[id(param)])
+        # disjoint ranges, zeros elsewhere: an integer sum is an exact gather
+        torch.distributed.all_reduce(bits, group=self.optimizer.data_parallel_group)
+        return _from_bits(bits, dtype).view(param.shape)
+
+    def sharded_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
+        """This optimizer's export-cast entry for its ``sharded_state_dict`` (see module doc)."""
+        state = {"step": self.caster.step, "method": self.caster.method}
+        if self.caster.method != "error_feedback":
+            return state
+        entries = model_entries(self.model_chunks, model_sharded_state_dict or None)
+        shards = {id(s.model_param): s for s in self.shards()}
+        dtype = compat_residual_dtype(self.caster)
+        residual = {}
+        # every rank lists every param (dist-checkpointing checks that main replicas cover each
+        # tensor, on load too); a rank keeps only its own range after loading
+        for param, layout in self._all_params():
+            entry = entries.get(id(param))
+            if entry is None:
+                raise ValueError(f"Fair Cast: param {layout.name!r} is missing from the model "
+                                 "sharded_state_dict handed to the optimizer")
+            data = (torch.empty(param.shape, dtype=dtype, device=param.device) if is_loading
+                    else self._full_residual(param, shards))
+            kwargs = dict(key=RESIDUAL_PREFIX + entry.key, data=data)
+            if isinstance(entry, compat.ShardedTensor):
+                kwargs["dtype"] = dtype
+            residual[layout.name] = replace(entry, **kwargs)
+        state["residual"] = residual
+        return state
+
+    def load(self, state: dict | None) -> None:
+        """Restore step and residuals from a loaded :meth:`sharded_state` (None: nothing saved).
+
+        Raises:
+            ValueError: a saved residual whose shape does not match its param (named).
+        """
+        if state is None:
+            if not self._internal_load:
+                logger.warning("Fair Cast: the optimizer state has no %r entry (not saved through "
+                               "sharded_state_dict?); the export step and residuals were not restored",
+                               STATE_KEY)
+            return
+        self.caster.step = int(state["step"])
+        if self.caster.method != "error_feedback":
+            return
+        saved = state.get("residual") or {}
+        if state.get("method") != "error_feedback" or not saved:
+            logger.warning("Fair Cast: checkpoint has no error-feedback residuals (method %r); "
+                           "starting from zero residuals", state.get("method"))
+            self.reset_residuals()
+            return
+        for shard in self.shards():
+            full = saved.get(shard.layout.name)
+            if full is None:
+                raise ValueError(f"Fair Cast: checkpoint lacks the residual of {shard.layout.name!r}")
+            full = full.reshape(-1)
+            if full.numel() < shard.end:
+                raise ValueError(f"Fair Cast: saved residual of {shard.layout.name!r} has "
+                                 f"{full.numel()} elements, the param has {shard.layout.numel}")
+            residual = self.residuals[id(shard.model_param)]
+            residual.view(-1).copy_(full[shard.start:shard.end])
+
+
+def compat_residual_dtype(caster: FairCaster) -> torch.dtype:
+    from faircast_dist.config import RESIDUAL_DTYPES
+    return RESIDUAL_DTYPES[caster.config.residual_dtype]
+
+
+def _to_bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float32:
+        return t.view(-1).view(torch.int32)
+    return t.view(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float32:
+        return bits.view(torch.float32)
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype)
+
+
+def check_config(config, where: str = "OptimizerConfig") -> None:
+    """Refuse optimizer settings that Fair Cast cannot serve.
+
+    Args:
+        config: a megatron ``OptimizerConfig`` (or the Megatron-LM args namespace).
+        where: how to name the settings in the message.
+
+    Raises:
+        ValueError: ``fair`` with fp16, without bf16, or with the precision-aware optimizer
+            (``use_precision_aware_optimizer`` / ``store_param_remainders``).
+        NotImplementedError: optimizer CPU offload.
+    """
+    if getattr(config, "fp16", False):
+        raise ValueError(f"--export-cast fair needs --bf16, but {where} has fp16=True (--fp16): "
+                         "the model params would be fp16, which Fair Cast does not produce")
+    if not getattr(config, "bf16", False):
+        raise ValueError(f"--export-cast fair needs --bf16 (bf16 model params with fp32 masters); "
+                         f"{where} has bf16=False")
+    if compat.uses_precision_aware_optimizer(config):
+        raise ValueError(
+            f"--export-cast fair cannot be used with --use-precision-aware-optimizer ({where}."
+            "use_precision_aware_optimizer=True): TE FusedAdam writes the bf16 params inside its kernel "
+            f"(with store_param_remainders={getattr(config, 'store_param_remainders', None)} the bf16 "
+            "param is the high half of the master), so there is no master->bf16 cast to replace")
+    if getattr(config, "optimizer_cpu_offload", False):
+        raise NotImplementedError(f"--export-cast fair does not support --optimizer-cpu-offload yet ({where})")
+
+
+def install(optimizer, config: ExportCastConfig, model_chunks) -> list[MegatronExport]:
+    """Put Fair Cast into a Megatron optimizer built by ``get_megatron_optimizer``.
+
+    Args:
+        optimizer: the optimizer (a ``ChainedOptimizer`` or a leaf) for ``model_chunks``.
+        config: the export-cast config; with mode ``nearest`` nothing is changed (stock).
+        model_chunks: the list of (DDP-wrapped) model chunks the optimizer was built for.
+
+    Returns:
+        One :class:`MegatronExport` per leaf optimizer (also at ``leaf.export_cast``); ``[]``
+        when ``config`` is not ``fair``.
+
+    Raises:
+        ValueError: bad settings (see :func:`check_config`), or a param missing from the model's
+            sharded_state_dict.
+        NotImplementedError: Megatron FSDP, FP8/FP4 params, optimizer classes not covered.
+    """
+    if not config.enabled:
+        return []
+    leaves = [o for o in compat.sub_optimizers(optimizer) if not getattr(o, "is_stub_optimizer", False)]
+    for leaf in leaves:
+        check_config(leaf.config)
+        if not isinstance(leaf, (compat.DistributedOptimizer, compat.Float16OptimizerWithFloat16Params)):
+            raise NotImplementedError(f"--export-cast fair supports DistributedOptimizer and "
+                                      f"Float16OptimizerWithFloat16Params, not {type(leaf).__name__}")
+        if getattr(getattr(leaf, "ddp_config", None), "use_megatron_fsdp", False):
+            raise NotImplementedError("--export-cast fair does not support Megatron FSDP (--use-megatron-fsdp)")
+    layouts = describe_model(model_chunks)
+    exports = []
+    for leaf in leaves:
+        export = MegatronExport(leaf, FairCaster(config), layouts, model_chunks)
+        for shard in export.shards():
+            if compat.is_quantized_param(leaf, shard.model_param):
+                raise NotImplementedError(f"--export-cast fair: param {shard.layout.name!r} is FP8/FP4 "
+                                          "(quantized by Megatron, not cast to bf16)")
+        _wrap(leaf, export)
+        exports.append(export)
+    logger.info("Fair Cast: master->bf16 export cast uses %s (seed %d) on %s", config.effective_method,
+                config.seed, ", ".join(type(o).__name__ for o in leaves))
+    return exports
+
+
+def _wrap(leaf, export: MegatronExport) -> None:
+    """Wrap the leaf optimizer's copy, reload and checkpoint methods (on the instance)."""
+
+    def after(method_name, then):
+        original = getattr(leaf, method_name)
+
+        @functools.wraps(original)
+        def wrapped(*args, **kwargs):
+            result = original(*args, **kwargs)
+            then()
+            return result
+        setattr(leaf, method_name, wrapped)
+
+    after("_copy_main_params_to_model_params", export.export)
+    if hasattr(leaf, "_copy_main_params_to_param_buffer"):
+        after("_copy_main_params_to_param_buffer", export.export)
+    after("_copy_model_params_to_main_params", export.reset_residuals)
+
+    sharded_state_dict, load_state_dict = leaf.sharded_state_dict, leaf.load_state_dict
+
+    @functools.wraps(sharded_state_dict)
+    def fair_sharded_state_dict(model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        export._internal_load = True  # DistOpt calls load_state_dict(state_dict()) in here
+        try:
+            if model_sharded_state_dict is None:
+                state = sharded_state_dict(is_loading=is_loading, *args, **kwargs)
+            else:
+                state = sharded_state_dict(model_sharded_state_dict, is_loading, *args, **kwargs)
+        finally:
+            export._internal_load = False
+        state[STATE_KEY] = export.sharded_state(model_sharded_state_dict, is_loading)
+        return state
+
+    @functools.wraps(load_state_dict)
+    def fair_load_state_dict(state_dict):
+        saved = None
+        if isinstance(state_dict, dict) and STATE_KEY in state_dict:
+            saved = state_dict[STATE_KEY]
+            state_dict = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        result = load_state_dict(state_dict)
+        export.load(saved)
+        return result
+
+    leaf.sharded_state_dict, leaf.load_state_dict = fair_sharded_state_dict, fair_load_state_dict
+    leaf.export_cast = export

@@ -1,0 +1,438 @@
+"""A tiny megatron-core GPT in real gloo processes, for the Megatron integration tests.
+
+``run(tp, pp, dp, jobs)`` spawns ``tp * pp * dp`` ranks (CPU shim, one thread each); every rank
+runs the jobs in order and rank 0 returns ``{job name: record}``. Jobs are dicts (see
+:func:`_run_job`): build a model + optimizer, optionally load a checkpoint or set a fixed master
+state, train / export, optionally save. What the jobs record is layout-independent and gathered
+with Megatron's own checkpoint metadata (``sharded_state_dict``), not with megatron_patches'
+mapping, so the tests check that mapping rather than repeat it:
+
+* ``served``   — the full bf16 model after each step/export: ``{checkpoint key: int16 bits}``
+  (stacked layers, the global shape);
+* ``master`` / ``residual`` — the full fp32 masters / error-feedback residuals, same form;
+* ``mismatch`` — served elements that differ from the single-process reference cast
+  (:class:`FairCaster` on the gathered whole param, canonical name from the checkpoint key);
+* ``replica_mismatch`` — elements where a rank's replica (TP-replicated layernorms and biases,
+  DP replicas, the last stage's tied embedding) differs from the saved copy.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+import traceback
+import zlib
+
+import torch
+import torch.multiprocessing as mp
+
+SEQ, MBS, MICRO, VOCAB = 8, 2, 2, 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- model and optimizer ---------------------------------------------------------------------------
+def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install"):
+    """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig
+    import megatron.core.optimizer as core_optimizer
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    import megatron_patches
+    from faircast_dist import ExportCastConfig
+
+    torch.manual_seed(1234)
+    tp_random.model_parallel_cuda_manual_seed(1234)
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    cfg = TransformerConfig(
+        num_layers=4, hidden_size=24, num_attention_heads=4, ffn_hidden_size=20,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_cpu_initialization=True,
+        bf16=not fp16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False)
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
+    model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt, bucket_size=None),
+                Float16Module(cfg, model))
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, bf16=not fp16, fp16=fp16,
+                              use_distributed_optimizer=distopt, clip_grad=1.0,
+                              initial_loss_scale=1.0 if fp16 else None)
+    config = ExportCastConfig.from_value(export_cast)
+    if how == "activate":  # the one-line activation, then the stock entry point
+        megatron_patches.activate(config=config)
+        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
+    else:
+        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
+        if how == "install":
+            megatron_patches.install(optimizer, config, [model])  # how == "none": stock
+    return model, optimizer, cfg
+
+
+def leaves(optimizer):
+    from megatron_patches.compat import sub_optimizers
+    return sub_optimizers(optimizer)
+
+
+def exports(optimizer):
+    return [leaf.export_cast for leaf in leaves(optimizer) if hasattr(leaf, "export_cast")]
+
+
+def train_step(model, optimizer, step: int):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (MICRO, MBS, SEQ + 1), generator=g)  # same on every rank
+    batches = iter([(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(MICRO)])
+    position_ids = torch.arange(SEQ).expand(MBS, SEQ)
+
+    def forward_step(data_iterator, chunk):
+        x, y = next(data_iterator)
+        out = chunk(x, position_ids, None, labels=y)
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    optimizer.zero_grad()
+    model.zero_grad_buffer()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[model],
+                                num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MBS,
+                                forward_only=False)
+    ok, _, _ = optimizer.step()
+    assert ok
+
+
+# -- gathering with Megatron's own metadata --------------------------------------------------------
+def _parts(entry, data):
+    """The ShardedTensors of a model entry, rebuilt on ``data`` (a param-shaped tensor)."""
+    from dataclasses import replace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    if isinstance(entry, ShardedTensorFactory):
+        built = replace(entry, data=data).build()
+        return built if isinstance(built, list) else [built]
+    return [replace(entry, data=data, dtype=data.dtype)]
+
+
+def _is_main(replica_id) -> bool:
+    return all(r == 0 for r in (replica_id if isinstance(replica_id, tuple) else (replica_id,)))
+
+
+def _bits(t):
+    return t.view(torch.int16).to(torch.int32) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _model_entries(model):
+    from megatron_patches.layout import model_entries  # only collects; identity by id(param)
+    entries = model_entries([model])
+    return [(p, entries[id(p)]) for p in model.parameters()]
+
+
+def gather(model, local_of):
+    """``{checkpoint key: full tensor}`` from each param's TP-local tensor ``local_of(param)``.
+
+    bf16 comes back as int16 bits, fp32 as fp32. Collective over the world. Also returns the
+    number of replica elements (replica_id != 0) that differ from the gathered main copy.
+    """
+    raw, dtypes, slots = {}, {}, []
+    for param, entry in _model_entries(model):
+        local = local_of(param)
+        for sh in _parts(entry, local):
+            key = re.sub(r"^(module\.)+", "", sh.key)
+            raw.setdefault(key, torch.zeros(sh.global_shape, dtype=torch.int32))
+            dtypes[key] = local.dtype
+            shape = (1,) * sh.prepend_axis_num + tuple(sh.data.shape)
+            index = tuple(slice(o, o + n) for o, n in zip(sh.global_offset, shape))
+            slots.append((key, index, sh))
+            if _is_main(sh.replica_id):
+                raw[key][index] = _bits(sh.data).view(shape)
+    everyone = [None] * torch.distributed.get_world_size()  # PP stages hold different keys
+    torch.distributed.all_gather_object(everyone, {k: (tuple(v.shape), dtypes[k]) for k, v in raw.items()})
+    known = {k: v for d in everyone for k, v in d.items()}
+    out = {}
+    for key in sorted(known):
+        shape, dtype = known[key]
+        buf = raw.setdefault(key, torch.zeros(shape, dtype=torch.int32))
+        torch.distributed.all_reduce(buf)  # one main copy per element: the sum is that copy
+        out[key] = buf.to(torch.int16) if dtype == torch.bfloat16 else buf.view(torch.float32)
+    replica_mismatch = sum(int((_bits(sh.data).reshape(-1) != raw[key][index].reshape(-1)).sum())
+                           for key, index, sh in slots if not _is_main(sh.replica_id))
+    return out, replica_mismatch
+
+
+def local_masters(optimizer, key=None):
+    """``param -> TP-local fp32 tensor`` of the masters (or of the export's residuals) (collective)."""
+    result = {}
+    for leaf in leaves(optimizer):
+        distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
+        groups = (zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups) if distributed
+                  else zip(leaf.float16_groups, leaf.fp32_from_float16_groups))
+        owned = {}
+        for model_group, main_group in groups:
+            for p, main in zip(model_group, main_group):
+                value = main if key is None else leaf.export_cast.residuals[id(p)]
+                owned[id(p)] = (value, leaf._get_model_param_range_map(p)["param"] if distributed else None)
+        params = ([p for b in leaf.buffers for p in b.param_index_map] if distributed
+                  else [p for g in leaf.float16_groups for p in g])
+        for p in params:
+            if not distributed:
+                result[id(p)] = owned[id(p)][0].detach().clone().float()
+                continue
+            bits = torch.zeros(p.numel(), dtype=torch.int32)
+            if id(p) in owned:
+                value, r = owned[id(p)]
+                bits[r.start:r.end] = value.detach().float().view(torch.int32)
+            torch.distributed.all_reduce(bits, group=leaf.data_parallel_group)
+            result[id(p)] = bits.view(torch.float32).view(p.shape)
+    return result
+
+
+def snapshot(model, optimizer, ef: bool):
+    served, rep = gather(model, lambda p: p.data)
+    masters = local_masters(optimizer)
+    master, _ = gather(model, lambda p: masters[id(p)])
+    residual = {}
+    if ef:
+        res = local_masters(optimizer, key="residual")
+        residual, _ = gather(model, lambda p: res[id(p)])
+    return {"served": served, "master": master, "residual": residual, "replica_mismatch": rep}
+
+
+def canonical(key: str, layer: int | None) -> str:
+    return key if layer is None else re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{layer}.", key, count=1)
+
+
+def reference_mismatch(config, step, snap, prev_residual):
+    """Served elements != FairCaster on whole gathered params (and RTN-differs count)."""
+    from faircast_dist import FairCaster
+    caster = FairCaster(config)
+    caster.step = step
+    mismatch = differs = 0
+    for key, served in snap["served"].items():
+        master = snap["master"][key]
+        layered = ".layers." in f".{key}"
+        for layer in range(master.shape[0]) if layered else [None]:
+            m = master[layer] if layered else master
+            s = served[layer] if layered else served
+            r = None
+            if caster.method == "error_feedback":
+                r = prev_residual[key] if prev_residual else torch.zeros_like(master)
+                r = (r[layer] if layered else r).clone()
+            q = caster.cast(canonical(key, layer), m.contiguous(), 0, residual=r)
+            mismatch += int((q.view(torch.int16) != s).sum())
+            differs += int((m.to(torch.bfloat16).view(torch.int16) != s).sum())
+    return mismatch, differs
+
+
+def set_state(model, optimizer, seed: int):
+    """A layout-independent master (+ residual) state, placed by Megatron's metadata and ranges."""
+    full_cache = {}
+
+    def full_of(sh, what):
+        key = (re.sub(r"^(module\.)+", "", sh.key), what)
+        if key not in full_cache:
+            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}".encode()))
+            t = torch.randn(sh.global_shape, generator=g) * 0.05
+            if what == "residual":  # a fraction of a bf16 spacing of the master
+                t = t * 2.0 ** -10
+            full_cache[key] = t
+        return full_cache[key]
+
+    for leaf in leaves(optimizer):
+        distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
+        groups = (zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups) if distributed
+                  else zip(leaf.float16_groups, leaf.fp32_from_float16_groups))
+        entries = dict((id(p), e) for p, e in _model_entries(model))
+        for model_group, main_group in groups:
+            for p, main in zip(model_group, main_group):
+                for what in ("master", "residual"):
+                    local = torch.empty(p.shape)
+                    for sh in _parts(entries[id(p)], local):
+                        index = tuple(slice(o, o + n) for o, n in zip(
+                            sh.global_offset, (1,) * sh.prepend_axis_num + tuple(sh.data.shape)))
+                        sh.data.copy_(full_of(sh, what)[index].view(sh.data.shape))
+                    r = leaf._get_model_param_range_map(p)["param"] if distributed else None
+                    value = local.view(-1)[r.start:r.end] if distributed else local
+                    if what == "master":
+                        main.data.copy_(value.view(main.shape))
+                    elif hasattr(leaf, "export_cast") and leaf.export_cast.residuals:
+                        leaf.export_cast.residuals[id(p)].copy_(value.view(main.shape))
+
+
+def export_only(model, optimizer):
+    """One export without an update (the copy the optimizer step ends with, then the gather)."""
+    for leaf in leaves(optimizer):
+        leaf._copy_main_params_to_model_params()
+    if model.ddp_config.use_distributed_optimizer:
+        model.start_param_sync(force_sync=True)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def unwrap(model):
+    """DDP -> Float16Module -> GPTModel (Megatron-LM's checkpointing unwraps the same way)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def save(model, optimizer, ckpt_dir, sharding_type):
+    from megatron.core import dist_checkpointing
+    os.makedirs(ckpt_dir, exist_ok=True)
+    model_sd = unwrap(model).sharded_state_dict()
+    sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+        model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": sharding_type})}
+    dist_checkpointing.save(sd, ckpt_dir, _strategy())
+
+
+def load(model, optimizer, ckpt_dir, sharding_type):
+    from megatron.core import dist_checkpointing
+    for leaf in leaves(optimizer):  # as Megatron-LM's load_checkpoint does: allocate lazy state
+        if hasattr(leaf, "_init_optimizer_states_with_dummy_values") and not leaf.optimizer.state:
+            leaf._init_optimizer_states_with_dummy_values()
+    model_sd = unwrap(model).sharded_state_dict()
+    sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+        model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": sharding_type})}
+    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    unwrap(model).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+def _run_job(tp, pp, job: dict) -> dict:
+    """Keys: export_cast, distopt, steps, first (step number of the first step), how,
+    load/save (dir) + sharding, set_state (seed) + exports (export-only count), fp16,
+    reload (call reload_model_params at the end), param_buffer (compare the two copy paths)."""
+    from faircast_dist import ExportCastConfig
+    config = ExportCastConfig.from_value(job.get("export_cast"))
+    ef = config.effective_method == "error_feedback"
+    record = {"snaps": [], "mismatch": 0, "rtn_differs": 0}
+    try:
+        model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
+                                    fp16=job.get("fp16", False), how=job.get("how", "install"))
+    except Exception as err:  # misuse cases record the error
+        record["error"] = f"{type(err).__name__}: {err}"
+        return record
+    record["installed"] = [type(e.optimizer).__name__ for e in exports(optimizer)]
+    if job.get("load"):
+        load(model, optimizer, job["load"], job.get("sharding", "dp_reshardable"))
+        record["loaded"] = snapshot(model, optimizer, ef)
+        record["loaded_step"] = [e.caster.step for e in exports(optimizer)]
+    if "set_state" in job:
+        set_state(model, optimizer, job["set_state"])
+        prev = snapshot(model, optimizer, ef)
+        for _ in range(job.get("exports", 1)):
+            step = exports(optimizer)[0].caster.step
+            export_only(model, optimizer)
+            snap = snapshot(model, optimizer, ef)
+            mm, dif = reference_mismatch(config, step, snap, prev["residual"])
+            record["mismatch"] += mm
+            record["rtn_differs"] += dif
+            record["snaps"].append(snap)
+            prev = snap
+    prev = record.get("loaded") or snapshot(model, optimizer, ef)
+    first = job.get("first", 0)
+    for k in range(job.get("steps", 0)):
+        step = exports(optimizer)[0].caster.step if exports(optimizer) else None
+        train_step(model, optimizer, first + k)
+        snap = snapshot(model, optimizer, ef)
+        if step is not None:
+            mm, dif = reference_mismatch(config, step, snap, prev["residual"])
+            record["mismatch"] += mm
+            record["rtn_differs"] += dif
+        record["snaps"].append(snap)
+        prev = snap
+        if job.get("save") and k + 1 == job.get("save_after", job["steps"]):
+            save(model, optimizer, job["save"], job.get("sharding", "dp_reshardable"))
+            record["saved"] = snap
+            record["saved_step"] = [e.caster.step for e in exports(optimizer)]
+    if job.get("param_buffer"):
+        record["param_buffer"] = _compare_copy_paths(model, optimizer)
+    if job.get("reload"):
+        optimizer.reload_model_params()
+        record["after_reload"] = snapshot(model, optimizer, ef)
+    record["replica_mismatch"] = sum(s["replica_mismatch"] for s in record["snaps"])
+    return record
+
+
+def _compare_copy_paths(model, optimizer):
+    """Bits written by _copy_main_params_to_param_buffer vs _copy_main_params_to_model_params.
+
+    Returns one ``(differing elements, owned elements, steps advanced)`` per DistOpt leaf;
+    leaves the buffers, step and residuals as they were.
+    """
+    results = []
+    for leaf in leaves(optimizer):
+        if not hasattr(leaf, "_copy_main_params_to_param_buffer"):
+            continue
+        export = leaf.export_cast
+        step, residuals = export.caster.step, {k: v.clone() for k, v in export.residuals.items()}
+        buffers = [bucket.param_data for b in leaf.buffers for bucket in b.buckets]
+        saved = [t.clone() for t in buffers]
+
+        def written(copy):
+            export.caster.step = step
+            for k, v in residuals.items():
+                export.residuals[k].copy_(v)
+            for t in buffers:
+                t.fill_(float("nan"))
+            copy()
+            return [_bits(export._target(s)).clone() for s in export.shards()], export.caster.step - step
+
+        a, _ = written(leaf._copy_main_params_to_model_params)
+        b, advanced = written(leaf._copy_main_params_to_param_buffer)
+        results.append((sum(int((x != y).sum()) for x, y in zip(a, b)), sum(x.numel() for x in a), advanced))
+        for t, v in zip(buffers, saved):
+            t.copy_(v)
+        export.caster.step = step
+        for k, v in residuals.items():
+            export.residuals[k].copy_(v)
+    return results
+
+
+def _worker(rank, world, port, tp, pp, jobs, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import megatron_shim
+    megatron_shim.install()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(tp, pp)
+    records = {}
+    try:
+        for name, job in jobs.items():
+            records[name] = _run_job(tp, pp, job)
+            torch.distributed.barrier()
+    except Exception:
+        records["__error__"] = traceback.format_exc()
+        raise
+    finally:
+        if rank == 0:
+            torch.save(records, out_path)
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def run(tp: int, pp: int, dp: int, jobs: dict) -> dict:
+    """Run ``jobs`` ({name: job}) on ``tp * pp * dp`` spawned ranks; rank 0's records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "records.pt")
+        mp.spawn(_worker, args=(tp * pp * dp, free_port(), tp, pp, jobs, out), nprocs=tp * pp * dp, join=True)
+        return torch.load(out, weights_only=False)

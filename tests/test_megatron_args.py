@@ -1,0 +1,136 @@
+"""``--export-cast`` arguments, the one-line activation and the misuse errors (single process)."""
+import argparse
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+import megatron_patches
+from faircast_dist import ExportCastConfig
+from megatron_patches import add_export_cast_args, check_config, config_from_args, with_export_cast_args
+
+
+def megatron_like_parser():
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--use-precision-aware-optimizer", action="store_true")
+    return parser
+
+
+def test_defaults_are_stock_round_to_nearest():
+    args = add_export_cast_args(megatron_like_parser()).parse_args([])
+    assert (args.export_cast, args.export_cast_method, args.export_cast_seed) == ("nearest", "stochastic", 1234)
+    assert config_from_args(args) == ExportCastConfig()  # nearest needs no bf16 check
+    assert not config_from_args(args).enabled
+
+
+def test_flags_parse_into_the_shared_config():
+    parser = add_export_cast_args(megatron_like_parser())
+    args = parser.parse_args("--bf16 --export-cast fair --export-cast-method error-feedback "
+                             "--export-cast-seed 7".split())
+    assert config_from_args(args) == ExportCastConfig(mode="fair", method="error_feedback", seed=7)
+
+
+def test_provider_chains_with_a_scripts_own_provider_and_is_idempotent():
+    def own(parser):
+        parser.add_argument("--my-flag", type=int, default=3)
+        return parser
+    parser = with_export_cast_args(own)(megatron_like_parser())
+    parser = add_export_cast_args(parser)  # added twice (activate + provider): no conflict
+    args = parser.parse_args(["--my-flag", "5", "--export-cast", "fair", "--bf16"])
+    assert args.my_flag == 5 and args.export_cast == "fair"
+    assert with_export_cast_args()(megatron_like_parser()).parse_args([]).export_cast == "nearest"
+
+
+@pytest.mark.parametrize("argv", [["--export-cast", "fiar"], ["--export-cast-method", "kahan"],
+                                  ["--export-cast-seed", "x"]])
+def test_bad_values_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        add_export_cast_args(megatron_like_parser()).parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,match", [
+    ("", r"--export-cast fair needs --bf16"),
+    ("--fp16", r"needs --bf16.*--fp16"),
+    ("--bf16 --use-precision-aware-optimizer", r"--use-precision-aware-optimizer.*store_param_remainders"),
+])
+def test_fair_misuse_is_an_error_naming_the_flag(flags, match):
+    args = add_export_cast_args(megatron_like_parser()).parse_args(["--export-cast", "fair", *flags.split()])
+    with pytest.raises(ValueError, match=match):
+        config_from_args(args)
+
+
+def test_seed_out_of_range_names_the_flag():
+    args = SimpleNamespace(export_cast="fair", export_cast_method="stochastic", export_cast_seed=2**64, bf16=True)
+    with pytest.raises(ValueError, match="--export-cast-seed"):
+        config_from_args(args)
+
+
+def test_optimizer_config_checks():
+    from megatron.core.optimizer import OptimizerConfig
+    check_config(OptimizerConfig(bf16=True))
+    with pytest.raises(ValueError, match="--bf16"):
+        check_config(OptimizerConfig(fp16=True))
+    with pytest.raises(ValueError, match="precision-aware"):
+        check_config(SimpleNamespace(bf16=True, use_precision_aware_optimizer=True, store_param_remainders=True))
+    with pytest.raises(NotImplementedError, match="cpu-offload"):
+        check_config(SimpleNamespace(bf16=True, optimizer_cpu_offload=True))
+
+
+@pytest.fixture
+def fake_megatron_training(monkeypatch):
+    """Megatron-LM's megatron.training (not in the megatron-core wheel): just what activate() uses."""
+    import megatron.core.optimizer as core_optimizer
+
+    training = types.ModuleType("megatron.training")
+    arguments = types.ModuleType("megatron.training.arguments")
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    training_loop = types.ModuleType("megatron.training.training")
+
+    def add_megatron_arguments(parser):
+        parser.add_argument("--bf16", action="store_true")
+        return parser
+
+    def parse_args(extra_args_provider=None, argv=()):  # Megatron-LM's order of calls
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        parser = arguments.add_megatron_arguments(parser)
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return parser.parse_args(list(argv))
+
+    arguments.add_megatron_arguments, arguments.parse_args = add_megatron_arguments, parse_args
+    training_loop.get_megatron_optimizer = core_optimizer.get_megatron_optimizer  # imported by name
+    for name, module in [("megatron.training", training), ("megatron.training.arguments", arguments),
+                         ("megatron.training.global_vars", global_vars),
+                         ("megatron.training.training", training_loop)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    training.arguments = arguments
+    monkeypatch.setattr(core_optimizer, "get_megatron_optimizer", core_optimizer.get_megatron_optimizer)
+    monkeypatch.setattr(megatron_patches, "_ORIGINAL", {})
+    return SimpleNamespace(arguments=arguments, global_vars=global_vars, training=training_loop,
+                           core_optimizer=core_optimizer)
+
+
+def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_training):
+    fake = fake_megatron_training
+    original = fake.core_optimizer.get_megatron_optimizer
+    megatron_patches.activate()
+    megatron_patches.activate()  # idempotent
+    # the script's own provider still works, and the flags parse without it
+    args = fake.arguments.parse_args(None, ["--bf16", "--export-cast", "fair", "--export-cast-seed", "9"])
+    assert (args.export_cast, args.export_cast_seed) == ("fair", 9)
+    args = fake.arguments.parse_args(with_export_cast_args(), ["--export-cast", "fair"])
+    assert args.export_cast == "fair"
+    for module in (fake.core_optimizer, fake.training):
+        assert module.get_megatron_optimizer is not original
+        assert module.get_megatron_optimizer.__wrapped__ is original
+    # the wrapper reads the parsed arguments at optimizer build time
+    fake.global_vars.get_args = lambda: fake.arguments.parse_args(
+        None, ["--bf16", "--export-cast", "fair", "--export-cast-method", "error-feedback"])
+    assert megatron_patches._args_config() == ExportCastConfig(mode="fair", method="error_feedback")
+    fake.global_vars.get_args = lambda: fake.arguments.parse_args(None, ["--export-cast", "fair"])
+    with pytest.raises(ValueError, match="--bf16"):
+        megatron_patches._args_config()
