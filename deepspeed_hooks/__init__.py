@@ -58,8 +58,10 @@ def install(engine) -> FairCaster | None:
         raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}": mode "fair" needs "bf16": {{"enabled": true}} '
                          f'(fp16 enabled: {engine.fp16_enabled()}, bf16 enabled: {engine.bfloat16_enabled()})')
     caster = FairCaster(config)
-    _adapter(engine.optimizer).attach(engine.optimizer, caster, engine.param_names)
+    export = _adapter(engine.optimizer).attach(engine.optimizer, caster, engine.param_names)
     _commit_after_all_ranks(engine)
+    if engine.monitor.enabled:
+        _report_drift(engine, export)
     logger.info(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) "
                 f"on {type(engine.optimizer).__name__}")
     return caster
@@ -108,6 +110,21 @@ def _commit_after_all_ranks(engine) -> None:
         return result
 
     engine.save_checkpoint = save_checkpoint
+
+
+def _report_drift(engine, export) -> None:
+    """Send per-step drift telemetry to the engine's monitor (see :mod:`deepspeed_hooks.monitor`)."""
+    from deepspeed_hooks.monitor import DriftMonitor
+    export.drift = DriftMonitor()
+    step = engine.step
+
+    @functools.wraps(step)
+    def step_and_report(*args, **kwargs):
+        result = step(*args, **kwargs)
+        export.drift.write(engine.monitor, engine.global_samples)  # only after an optimizer step
+        return result
+
+    engine.step = step_and_report
 
 
 def initialize(*args, **kwargs):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 
 import torch
 from deepspeed import comm as dist
@@ -69,6 +70,8 @@ class OptimizerExport:
         self.optimizer, self.caster, self.param_names = optimizer, caster, param_names
         self.in_step = False
         self.exported = False
+        self.drift = None  # a DriftMonitor when DeepSpeed's monitor is enabled
+        self._t0 = None
 
     # ---- what an adapter provides
     def groups(self) -> list[tuple[torch.Tensor, list[Fragment]]]:
@@ -86,6 +89,8 @@ class OptimizerExport:
     @torch.no_grad()
     def export_group(self, i: int) -> None:
         """Cast group ``i``'s fp32 tensor into its bf16 destinations (this rank's shard only)."""
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
         hp, fragments = self.groups()[i]
         flat, state = hp.view(-1), self.state(hp)
         state.pop(SERVED_KEY, None)
@@ -104,9 +109,13 @@ class OptimizerExport:
         if not self.exported:
             return
         self.exported = False
+        export_ms = 1e3 * (time.perf_counter() - self._t0)
+        self._t0 = None
         self.caster.advance()
         for hp, _ in self.groups():
             self.state(hp)[STEP_KEY] = self.caster.step
+        if self.drift is not None:
+            self.drift.update(self, export_ms)
 
     def export(self) -> None:
         """Export every group, then :meth:`finish`."""

@@ -190,3 +190,27 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_as_latest(tmp_path):
     for k in range(2):
         assert_same(straight["bf16"][3 + k], resumed["bf16"][k])
         assert_same(straight["residual"][3 + k], resumed["residual"][k])
+
+
+@pytest.mark.parametrize("path", ["zero2", "zero3"])
+def test_drift_telemetry_reaches_deepspeed_csv_monitor(path, tmp_path):
+    import csv
+    from faircast_dist.telemetry import changed_fraction, gap_ulps
+    rank0 = run(2, path=path, export_cast=SR, steps=4, monitor_dir=str(tmp_path))[0]
+    folder = tmp_path / "fair"
+    series = {}
+    for f in folder.glob("*.csv"):
+        with open(f) as fh:
+            rows = list(csv.reader(fh))[1:]
+        series[f.stem] = [(int(step), float(v)) for step, v in rows]
+    for key in ("changed_fraction", "lag_steps", "gap_ulps", "export_ms"):
+        assert len(series[f"Train_Samples_export_cast_{key}"]) == 4, sorted(series)
+    flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
+    for t in range(1, 4):  # changed_fraction counts every element: exact
+        want = changed_fraction(flat(rank0["bf16"][t - 1]), flat(rank0["bf16"][t]))
+        assert series["Train_Samples_export_cast_changed_fraction"][t][1] == pytest.approx(want, rel=1e-6)  # float32 mean there
+    gaps = [v for _, v in series["Train_Samples_export_cast_gap_ulps"]]
+    full = [gap_ulps(flat(rank0["bf16"][t]), flat(rank0["master"][t])) for t in range(4)]
+    assert gaps == pytest.approx(full, rel=1e-5)  # the tiny model is smaller than the sample
+    assert all(v == 0 for _, v in series["Train_Samples_export_cast_lag_steps"])  # SR at lr 1e-3 keeps up
+    assert all(v > 0 for _, v in series["Train_Samples_export_cast_export_ms"])
