@@ -5,7 +5,8 @@ on every rank: seeded), a GPTModel from :func:`build_gpt` + :func:`load_hf_state
 returns a record:
 
 * ``hf_logits`` / ``mc_logits``: float32 ``[B, T, V]`` of the HF model (fp32) and of the Megatron
-  model (``dtype``), the latter gathered over the TP vocab shards;
+  model (``dtype``), the latter gathered over the TP vocab shards; for bf16 also
+  ``hf_bf16_logits``, the HF model itself run in bf16 (its own rounding error);
 * ``full_mismatch``: elements where the Megatron model gathered with Megatron's checkpoint metadata
   (:func:`gather_full`) differs from :func:`hf_to_megatron` cast to ``dtype`` (checks
   :func:`tp_shard` against Megatron's own TP layout); ``back_mismatch``: elements where
@@ -20,6 +21,7 @@ Also runnable by hand on the real model (prints the max |logit diff|)::
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import tempfile
@@ -68,6 +70,8 @@ def _worker(rank, tp, port, model_name, dtype_name, tiny, out_path):
     if rank == 0:
         with torch.no_grad():
             record["hf_logits"] = hf(ids).logits.float()
+            if dtype == torch.bfloat16:  # the HF model's own bf16 error: the yardstick for "bf16 tolerance"
+                record["hf_bf16_logits"] = copy.deepcopy(hf).to(torch.bfloat16)(ids).logits.float()
         record["mc_logits"] = torch.cat(shards, dim=-1).float()
     full = gather_full(mc, lambda p: p.detach())
     if rank == 0:
@@ -107,12 +111,19 @@ def main():
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     args = p.parse_args()
     r = run(args.tp, args.model, args.dtype)
-    diff = (r["mc_logits"] - r["hf_logits"]).abs()
-    top = (r["mc_logits"].argmax(-1) == r["hf_logits"].argmax(-1)).float().mean()
-    print(f"model={args.model} tp={args.tp} megatron dtype={args.dtype}: max |logit diff| {diff.max():.4g}, "
-          f"mean {diff.mean():.4g}, |HF logits| max {r['hf_logits'].abs().max():.4g}, "
-          f"argmax agreement {100 * top:.2f}%; weights gathered == mapping: {r['full_mismatch'] == 0}, "
-          f"back to HF exact: {r['back_mismatch'] == 0}, padding grad max {r['pad_grad_max']}")
+    def compare(logits, what):
+        diff = (logits - r["hf_logits"]).abs()
+        top = (logits.argmax(-1) == r["hf_logits"].argmax(-1)).float().mean()
+        print(f"{what} vs HF fp32: max |logit diff| {diff.max():.4g}, mean {diff.mean():.4g}, "
+              f"argmax agreement {100 * top:.2f}%")
+    print(f"model={args.model} tp={args.tp}, {tuple(r['hf_logits'].shape)} logits, |HF logits| max "
+          f"{r['hf_logits'].abs().max():.4g}")
+    compare(r["mc_logits"], f"Megatron {args.dtype}")
+    if "hf_bf16_logits" in r:
+        compare(r["hf_bf16_logits"], "HF bf16 (reference)")
+    print(f"weights gathered with Megatron's metadata == mapping: {r['full_mismatch'] == 0}; back to HF "
+          f"exact: {r['back_mismatch'] == 0}; KV padding: max |weight| {r['pad_weight_max']}, "
+          f"max |grad| {r['pad_grad_max']}")
 
 
 if __name__ == "__main__":
