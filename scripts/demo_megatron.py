@@ -24,6 +24,7 @@ weights mapped back (padding dropped); KV-group padding is exported but not coun
 
 CPU: megatron-core has no CPU support (hard-coded CUDA devices, streams, RNG tracker), so without
 CUDA this script loads the project's test-only CPU shim ``tests/megatron_shim.py`` and runs on gloo.
+With CUDA it uses NCCL and no shim (that path is written but has not been run: no GPU here).
 """
 from __future__ import annotations
 
@@ -157,10 +158,10 @@ def train_step(model, optimizer, batches, args) -> float:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
-        ids, labels = next(data_iterator)
+        ids, labels = (t.cuda() for t in next(data_iterator))  # a no-op under the CPU shim
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # next token
         mask = targets != -100
-        position_ids = torch.arange(ids.shape[1]).expand_as(ids)
+        position_ids = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         per_token = chunk(ids, position_ids, None, labels=targets.clamp_min(0))  # [B, T] fp32
 
         def loss_func(output):
@@ -229,12 +230,13 @@ def main(argv=None):
     records, trainer_matches, padding_zero = [], True, True
     bar = tqdm(range(1, args.train_iters + 1), desc="training", disable=rank != 0)
     micro = args.global_batch_size // per_step
-    dp_rank = rank // tp  # parallel_state orders TP fastest
+    from megatron.core import parallel_state as ps
+    dp_rank = ps.get_data_parallel_rank()
     for step in bar:
         lo = (step - 1) * args.global_batch_size + dp_rank * micro * args.micro_batch_size
         batches = [collate(train[lo + i * args.micro_batch_size:lo + (i + 1) * args.micro_batch_size])
                    for i in range(micro)]
-        loss = torch.tensor(train_step(model, optimizer, batches, args))
+        loss = torch.tensor(train_step(model, optimizer, batches, args)).cuda()  # .cuda(): no-op on the CPU shim
         dist.all_reduce(loss)
         loss = loss.item() / world
         master, served = gather_master(), gather_served()
@@ -258,7 +260,6 @@ def main(argv=None):
         print(f"Start weights: {'SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32, then bf16 (Megatron masters start on the bf16 grid)' if args.model == 'smollm2' else 'tiny random Llama (3 KV groups)'}")
         print(f"Wrote {os.path.abspath(csv_path)}\nWrote {os.path.abspath(png_path)}")
     dist.barrier()
-    from megatron.core import parallel_state as ps
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return records

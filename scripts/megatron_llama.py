@@ -345,8 +345,8 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
             world), which must hold every TP/DP rank of the model.
 
     Returns:
-        on ``dst``: ``{name: tensor}`` in the dtype ``local_of`` gave (bitwise; one main copy per
-        element, as saved in a checkpoint).
+        on ``dst``: ``{name: CPU tensor}`` in the dtype ``local_of`` gave (bitwise; one main copy
+        per element, as saved in a checkpoint).
     """
     from megatron_patches.layout import model_entries  # collects the entries by id(param); no mapping
     module = model
@@ -364,19 +364,21 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
             if p not in (0, 1):
                 raise ValueError(f"{key}: {p} prepended axes (expected 0, or 1 for the layer)")
             name = re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{sh.global_offset[0]}.", key, count=1) if p else key
-            full = fulls.setdefault(name, torch.zeros(sh.global_shape[p:], dtype=torch.int32))
+            full = fulls.setdefault(name, torch.zeros(sh.global_shape[p:], dtype=torch.int32))  # on the CPU
             dtypes[name] = local.dtype
             if _is_main(sh.replica_id):
                 index = tuple(slice(o, o + n) for o, n in zip(sh.global_offset[p:], sh.data.shape))
                 bits = sh.data.view(torch.int16).to(torch.int32) if local.dtype == torch.bfloat16 \
                     else sh.data.view(torch.int32)
-                full[index] = bits.view(sh.data.shape)
+                full[index] = bits.view(sh.data.shape).cpu()
     names = sorted(fulls)
     shapes = [fulls[n].shape for n in names]
     flat = torch.cat([fulls.pop(n).reshape(-1) for n in names])  # one collective for the model
+    flat = flat.to(local.device)  # the backend's device (NCCL: cuda)
     torch.distributed.reduce(flat, dst=dst, group=group)  # one main copy per element: the sum is it
     if torch.distributed.get_rank() != dst:
         return None
+    flat = flat.cpu()
     out, start = {}, 0
     for name, shape in zip(names, shapes):
         part = flat[start:start + math.prod(shape)].view(shape)
