@@ -1,6 +1,7 @@
 # Two entry points; each creates .venv and installs what it needs first.
 #   make test   - the test suite (CPU, gloo, real multi-process runs)
 #   make demo   - the main job on the bundled SmolLM2-135M-Instruct (torchrun, 2 ranks, ZeRO-2)
+#   make demo-megatron - the same job on megatron-core (torchrun, 2 ranks, TP=2, --export-cast fair)
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 export HF_HUB_OFFLINE := 1
 
-.PHONY: test demo venv clean
+.PHONY: test demo demo-megatron venv clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,9 @@ test: $(VENV)/.test
 
 demo: $(VENV)/.demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/demo_deepspeed.py $(DEMO_ARGS)
+
+demo-megatron: $(VENV)/.demo
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/demo_megatron.py $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

