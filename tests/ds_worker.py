@@ -32,12 +32,12 @@ def batch(step: int):
     return torch.randn(4, 13, generator=g), torch.randn(4, 5, generator=g)
 
 
-PATHS = ("stage0", "bf16_optimizer", "zero1", "zero2", "zero3", "offload2", "offload3")
+PATHS = ("stage0", "stage0_fused", "bf16_optimizer", "zero1", "zero2", "zero3", "offload2", "offload3")
 
 
 def ds_config(world_size: int, path: str, export_cast, lr: float, universal: bool = False) -> dict:
     """DeepSpeed config for one bf16 optimizer path (see PATHS)."""
-    stage = {"stage0": 0, "bf16_optimizer": 1, "zero1": 1, "zero2": 2, "zero3": 3, "offload2": 2, "offload3": 3}[path]
+    stage = {"stage0": 0, "stage0_fused": 0, "bf16_optimizer": 1, "zero1": 1, "zero2": 2, "zero3": 3, "offload2": 2, "offload3": 3}[path]
     zero = {"stage": stage}
     if path.startswith("offload"):
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -53,6 +53,8 @@ def ds_config(world_size: int, path: str, export_cast, lr: float, universal: boo
         "zero_force_ds_cpu_optimizer": False,  # torch AdamW with offload (the cast path is the same)
         "steps_per_print": 10**9,
     }
+    if path == "stage0_fused":  # DeepSpeed's FusedAdam (JIT-built for the CPU) -> FP16_Optimizer
+        del cfg["optimizer"]["params"]["torch_adam"]
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     if path == "bf16_optimizer":
