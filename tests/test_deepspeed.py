@@ -127,7 +127,7 @@ def test_fair_without_bf16_is_an_error():
         run(1, export_cast=SR, steps=1, bf16=False)
 
 
-@pytest.mark.parametrize("path,world,new_world", [("zero2", 2, 1), ("zero3", 2, 1), ("zero2", 4, 2)])
+@pytest.mark.parametrize("path,world,new_world", [("zero2", 2, 1), ("zero3", 2, 1), ("zero2", 4, 2), ("zero3", 4, 2)])
 def test_universal_checkpoint_keeps_residuals_across_dp_sizes(path, world, new_world, tmp_path):
     import os
     from deepspeed_hooks.checkpoint import to_universal
