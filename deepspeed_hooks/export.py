@@ -86,12 +86,14 @@ class OptimizerExport:
     def state(self, hp: torch.Tensor) -> dict:
         return self.optimizer.optimizer.state[hp]
 
-    @torch.no_grad()
     def export_group(self, i: int) -> None:
         """Cast group ``i``'s fp32 tensor into its bf16 destinations (this rank's shard only)."""
+        self._cast(*self.groups()[i])
+
+    @torch.no_grad()
+    def _cast(self, hp: torch.Tensor, fragments: list[Fragment]) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        hp, fragments = self.groups()[i]
         flat, state = hp.view(-1), self.state(hp)
         state.pop(SERVED_KEY, None)
         residual = None
@@ -119,8 +121,8 @@ class OptimizerExport:
 
     def export(self) -> None:
         """Export every group, then :meth:`finish`."""
-        for i in range(len(self.groups())):
-            self.export_group(i)
+        for hp, fragments in self.groups():
+            self._cast(hp, fragments)
         self.finish()
 
     @torch.no_grad()
