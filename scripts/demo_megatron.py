@@ -16,7 +16,7 @@ defaults to ``--export-cast fair``). Data: reasoning-gym chain-sum problems, los
 tokens, as in the DeepSpeed job (same seed: same sequences per step).
 
 After each step rank 0 gets the full fp32 master, gathered over the TP ranks with Megatron's own
-checkpoint metadata (keys = Fair Cast's canonical names), exports it three ways and reports the
+checkpoint metadata (``megatron_patches.gather``; keys = Fair Cast's canonical names), exports it three ways and reports the
 same table, ``telemetry.csv`` and ``telemetry.png`` (``fair_demo_common.py``), and checks that the
 trainer's own bf16 model (gathered the same way) is bit-identical to the side-by-side export of the
 trainer's method. The log-prob gap is measured with the Hugging Face model on the master / served
@@ -127,31 +127,6 @@ def build(args, hf):
     return model, optimizer, config
 
 
-def local_masters(optimizer) -> dict:
-    """``{id(model param): TP-local fp32 master}`` (the DP shards put together; collective)."""
-    from megatron_patches.compat import sub_optimizers
-    result = {}
-    for leaf in sub_optimizers(optimizer):
-        distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
-        groups = (zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups) if distributed
-                  else zip(leaf.float16_groups, leaf.fp32_from_float16_groups))
-        owned = {}
-        for model_group, main_group in groups:
-            for p, main in zip(model_group, main_group):
-                owned[id(p)] = (main, leaf._get_model_param_range_map(p)["param"] if distributed else None)
-        if not distributed:
-            result.update({k: v.detach() for k, (v, _) in owned.items()})
-            continue
-        for p in (p for b in leaf.buffers for p in b.param_index_map):
-            bits = torch.zeros(p.numel(), dtype=torch.int32, device=p.device)
-            if id(p) in owned:
-                main, r = owned[id(p)]
-                bits[r.start:r.end] = main.detach().view(torch.int32)
-            dist.all_reduce(bits, group=leaf.data_parallel_group)  # DP shards are disjoint: the sum is exact
-            result[id(p)] = bits.view(torch.float32).view(p.shape)
-    return result
-
-
 def train_step(model, optimizer, batches, args) -> float:
     """One optimizer step on ``batches`` (this DP rank's micro-batches of ``(ids, labels)``, int64
     ``[B, T]``); returns the mean over micro-batches of the per-token answer loss (nats)."""
@@ -188,7 +163,8 @@ def main(argv=None):
     trainer_cast = config_from_args(args).effective_method  # flag errors before any process group
     from tqdm import tqdm
 
-    from megatron_llama import gather_full, megatron_to_hf, padded_groups, padding_masks
+    from megatron_llama import megatron_to_hf, padded_groups, padding_masks
+    from megatron_patches.gather import gather_full, local_masters
 
     tp = args.tensor_model_parallel_size
     rank, world, dp = _setup_distributed(tp)

@@ -11,7 +11,8 @@ Layouts (``H`` hidden, ``d`` head dim, ``G`` KV groups, ``q = heads / G`` query 
 ``F`` ffn size, ``V`` vocab); "full" = the whole (unsharded) Megatron param, as in Megatron's
 checkpoints, named by Megatron's checkpoint keys with the layer number put back (= Fair Cast's
 canonical names; the local spec saves its norms under TE's fused names, so these differ from
-``named_parameters()`` for the two per-layer norms):
+``named_parameters()`` for the two per-layer norms; :func:`megatron_patches.gather.gather_full`
+gathers a TP-split model into exactly these):
 
 * ``decoder.layers.L.self_attention.linear_qkv.weight`` ``[G' (q + 2) d, H]``: per query group
   ``g``, the ``q`` query heads of ``g`` (HF ``q_proj`` rows ``g q d .. (g+1) q d``), then its key
@@ -37,12 +38,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 __all__ = ["check_hf_config", "rope_theta", "padded_groups", "transformer_config", "build_gpt",
-           "hf_to_megatron", "megatron_to_hf", "checkpoint_name", "padding_masks", "tp_shard", "load_hf_state", "gather_full"]
+           "hf_to_megatron", "megatron_to_hf", "checkpoint_name", "padding_masks", "tp_shard", "load_hf_state"]
 
 
 # ----------------------------------------------------------------------------- config
@@ -310,79 +311,3 @@ def load_hf_state(model, hf_state: dict, hf_config) -> None:
     unused = sorted(set(full) - seen)
     if unused:
         raise ValueError(f"mapped weights with no Megatron param: {unused}")
-
-
-# ----------------------------------------------------------------------------- gathering
-def _parts(entry, data):
-    """The ShardedTensors of a model sharded_state_dict entry, rebuilt on ``data``."""
-    from dataclasses import replace
-
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    if isinstance(entry, ShardedTensorFactory):
-        built = replace(entry, data=data).build()
-        return built if isinstance(built, list) else [built]
-    return [replace(entry, data=data, dtype=data.dtype)]
-
-
-def _is_main(replica_id) -> bool:
-    return all(r == 0 for r in (replica_id if isinstance(replica_id, tuple) else (replica_id,)))
-
-
-def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], dst: int = 0,
-                group=None) -> Optional[dict]:
-    """Full tensors ``{canonical name: tensor}`` on rank ``dst`` from each rank's TP-local tensors.
-
-    Placement uses Megatron's own checkpoint metadata (the model's ``sharded_state_dict()``:
-    ``global_shape``, ``global_offset``, ``replica_id``; SwiGLU ``fc1`` halves via its factory),
-    so it is independent of :func:`tp_shard`. Names: the checkpoint key with the layer number put
-    back after ``layers.`` (``decoder.layers.3.mlp.linear_fc1.weight``), one tensor per layer.
-
-    Args:
-        model: the model chunk (any wrapping; pipeline size 1).
-        local_of: ``param -> TP-local tensor shaped like param`` (bf16 or fp32), e.g. the param
-            itself or its fp32 master.
-        dst: the rank that gets the result; others get None. Collective over ``group`` (default
-            world), which must hold every TP/DP rank of the model.
-
-    Returns:
-        on ``dst``: ``{name: CPU tensor}`` in the dtype ``local_of`` gave (bitwise; one main copy
-        per element, as saved in a checkpoint).
-    """
-    from megatron_patches.layout import model_entries  # collects the entries by id(param); no mapping
-    module = model
-    while hasattr(module, "module"):
-        module = module.module
-    entries = model_entries([module])
-    fulls, dtypes = {}, {}
-    for param in module.parameters():
-        local = local_of(param)
-        if local.dtype not in (torch.bfloat16, torch.float32) or local.shape != param.shape:
-            raise ValueError(f"local_of gave {local.dtype} {tuple(local.shape)} for a param of shape "
-                             f"{tuple(param.shape)}; expected bf16 or fp32 of the param's shape")
-        for sh in _parts(entries[id(param)], local):
-            key, p = re.sub(r"^(module\.)+", "", sh.key), sh.prepend_axis_num
-            if p not in (0, 1):
-                raise ValueError(f"{key}: {p} prepended axes (expected 0, or 1 for the layer)")
-            name = re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{sh.global_offset[0]}.", key, count=1) if p else key
-            full = fulls.setdefault(name, torch.zeros(sh.global_shape[p:], dtype=torch.int32))  # on the CPU
-            dtypes[name] = local.dtype
-            if _is_main(sh.replica_id):
-                index = tuple(slice(o, o + n) for o, n in zip(sh.global_offset[p:], sh.data.shape))
-                bits = sh.data.view(torch.int16).to(torch.int32) if local.dtype == torch.bfloat16 \
-                    else sh.data.view(torch.int32)
-                full[index] = bits.view(sh.data.shape).cpu()
-    names = sorted(fulls)
-    shapes = [fulls[n].shape for n in names]
-    flat = torch.cat([fulls.pop(n).reshape(-1) for n in names])  # one collective for the model
-    flat = flat.to(local.device)  # the backend's device (NCCL: cuda)
-    torch.distributed.reduce(flat, dst=dst, group=group)  # one main copy per element: the sum is it
-    if torch.distributed.get_rank() != dst:
-        return None
-    flat = flat.cpu()
-    out, start = {}, 0
-    for name, shape in zip(names, shapes):
-        part = flat[start:start + math.prod(shape)].view(shape)
-        out[name] = part.to(torch.int16).view(torch.bfloat16) if dtypes[name] == torch.bfloat16 \
-            else part.view(torch.float32)
-        start += part.numel()
-    return out

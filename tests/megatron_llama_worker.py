@@ -8,7 +8,7 @@ returns a record:
   model (``dtype``), the latter gathered over the TP vocab shards; for bf16 also
   ``hf_bf16_logits``, the HF model itself run in bf16 (its own rounding error);
 * ``full_mismatch``: elements where the Megatron model gathered with Megatron's checkpoint metadata
-  (:func:`gather_full`) differs from :func:`hf_to_megatron` cast to ``dtype`` (checks
+  (:func:`megatron_patches.gather.gather_full`) differs from :func:`hf_to_megatron` cast to ``dtype`` (checks
   :func:`tp_shard` against Megatron's own TP layout); ``back_mismatch``: elements where
   :func:`megatron_to_hf` of that differs from the HF weights cast to ``dtype``;
 * ``pad_grad_max`` / ``pad_weight_max``: max |grad| and |weight| on the KV-group padding after a
@@ -53,7 +53,8 @@ def _worker(rank, tp, port, model_name, dtype_name, tiny, out_path):
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(tp, 1)
     from fair_demo_common import load_model
-    from megatron_llama import build_gpt, gather_full, hf_to_megatron, load_hf_state, megatron_to_hf, padding_masks
+    from megatron_llama import build_gpt, hf_to_megatron, load_hf_state, megatron_to_hf, padding_masks
+    from megatron_patches.gather import gather_full
     dtype = DTYPES[dtype_name]
     hf, encode = load_model(model_name, tiny=tiny)
     hf.eval()

@@ -4,8 +4,8 @@
 runs the jobs in order and rank 0 returns ``{job name: record}``. Jobs are dicts (see
 :func:`_run_job`): build a model + optimizer, optionally load a checkpoint or set a fixed master
 state, train / export, optionally save. What the jobs record is layout-independent and gathered
-with Megatron's own checkpoint metadata (``sharded_state_dict``), not with megatron_patches'
-mapping, so the tests check that mapping rather than repeat it:
+with Megatron's own checkpoint metadata (``sharded_state_dict``, by :mod:`megatron_patches.gather`),
+not with megatron_patches' mapping (``layout``), so the tests check that mapping rather than repeat it:
 
 * ``served``   — the full bf16 model after each step/export: ``{checkpoint key: int16 bits}``
   (stacked layers, the global shape);
@@ -116,29 +116,9 @@ def train_step(model, optimizer, step: int):
     assert ok
 
 
-# -- gathering with Megatron's own metadata --------------------------------------------------------
-def _parts(entry, data):
-    """The ShardedTensors of a model entry, rebuilt on ``data`` (a param-shaped tensor)."""
-    from dataclasses import replace
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-    if isinstance(entry, ShardedTensorFactory):
-        built = replace(entry, data=data).build()
-        return built if isinstance(built, list) else [built]
-    return [replace(entry, data=data, dtype=data.dtype)]
-
-
-def _is_main(replica_id) -> bool:
-    return all(r == 0 for r in (replica_id if isinstance(replica_id, tuple) else (replica_id,)))
-
-
+# -- gathering with Megatron's own metadata (megatron_patches.gather; not megatron_patches.layout) -----
 def _bits(t):
     return t.view(torch.int16).to(torch.int32) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
-def _model_entries(model):
-    from megatron_patches.layout import model_entries  # only collects; identity by id(param)
-    entries = model_entries([model])
-    return [(p, entries[id(p)]) for p in model.parameters()]
 
 
 def gather(model, local_of):
@@ -147,66 +127,23 @@ def gather(model, local_of):
     bf16 comes back as int16 bits, fp32 as fp32. Collective over the world. Also returns the
     number of replica elements (replica_id != 0) that differ from the gathered main copy.
     """
-    raw, dtypes, slots = {}, {}, []
-    for param, entry in _model_entries(model):
-        local = local_of(param)
-        for sh in _parts(entry, local):
-            key = re.sub(r"^(module\.)+", "", sh.key)
-            raw.setdefault(key, torch.zeros(sh.global_shape, dtype=torch.int32))
-            dtypes[key] = local.dtype
-            shape = (1,) * sh.prepend_axis_num + tuple(sh.data.shape)
-            index = tuple(slice(o, o + n) for o, n in zip(sh.global_offset, shape))
-            slots.append((key, index, sh))
-            if _is_main(sh.replica_id):
-                raw[key][index] = _bits(sh.data).view(shape)
-    everyone = [None] * torch.distributed.get_world_size()  # PP stages hold different keys
-    torch.distributed.all_gather_object(everyone, {k: (tuple(v.shape), dtypes[k]) for k, v in raw.items()})
-    known = {k: v for d in everyone for k, v in d.items()}
-    out = {}
-    for key in sorted(known):
-        shape, dtype = known[key]
-        buf = raw.setdefault(key, torch.zeros(shape, dtype=torch.int32))
-        torch.distributed.all_reduce(buf)  # one main copy per element: the sum is that copy
-        out[key] = buf.to(torch.int16) if dtype == torch.bfloat16 else buf.view(torch.float32)
-    replica_mismatch = sum(int((_bits(sh.data).reshape(-1) != raw[key][index].reshape(-1)).sum())
-                           for key, index, sh in slots if not _is_main(sh.replica_id))
+    from megatron_patches.gather import gather_full, is_main_replica, shards
+    full = gather_full(model, local_of, dst=None, stacked=True)
+    replica_mismatch = sum(int((_bits(sh.data).reshape(-1) != _bits(full[key][index]).reshape(-1)).sum())
+                           for key, index, sh in shards(model, local_of, stacked=True)
+                           if not is_main_replica(sh.replica_id))
+    out = {k: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for k, v in full.items()}
     return out, replica_mismatch
-
-
-def local_masters(optimizer, key=None):
-    """``param -> TP-local fp32 tensor`` of the masters (or of the export's residuals) (collective)."""
-    result = {}
-    for leaf in leaves(optimizer):
-        distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
-        groups = (zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups) if distributed
-                  else zip(leaf.float16_groups, leaf.fp32_from_float16_groups))
-        owned = {}
-        for model_group, main_group in groups:
-            for p, main in zip(model_group, main_group):
-                value = main if key is None else leaf.export_cast.residuals[id(p)]
-                owned[id(p)] = (value, leaf._get_model_param_range_map(p)["param"] if distributed else None)
-        params = ([p for b in leaf.buffers for p in b.param_index_map] if distributed
-                  else [p for g in leaf.float16_groups for p in g])
-        for p in params:
-            if not distributed:
-                result[id(p)] = owned[id(p)][0].detach().clone().float()
-                continue
-            bits = torch.zeros(p.numel(), dtype=torch.int32)
-            if id(p) in owned:
-                value, r = owned[id(p)]
-                bits[r.start:r.end] = value.detach().float().view(torch.int32)
-            torch.distributed.all_reduce(bits, group=leaf.data_parallel_group)
-            result[id(p)] = bits.view(torch.float32).view(p.shape)
-    return result
 
 
 def snapshot(model, optimizer, ef: bool):
     served, rep = gather(model, lambda p: p.data)
+    from megatron_patches.gather import local_masters
     masters = local_masters(optimizer)
     master, _ = gather(model, lambda p: masters[id(p)])
     residual = {}
     if ef:
-        res = local_masters(optimizer, key="residual")
+        res = local_masters(optimizer, residuals=True)
         residual, _ = gather(model, lambda p: res[id(p)])
     return {"served": served, "master": master, "residual": residual, "replica_mismatch": rep}
 
@@ -239,10 +176,11 @@ def reference_mismatch(config, step, snap, prev_residual):
 
 def set_state(model, optimizer, seed: int):
     """A layout-independent master (+ residual) state, placed by Megatron's metadata and ranges."""
+    from megatron_patches.gather import shards
     full_cache = {}
 
-    def full_of(sh, what):
-        key = (re.sub(r"^(module\.)+", "", sh.key), what)
+    def full_of(name, sh, what):
+        key = (name, what)
         if key not in full_cache:
             g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}".encode()))
             t = torch.randn(sh.global_shape, generator=g) * 0.05
@@ -251,21 +189,20 @@ def set_state(model, optimizer, seed: int):
             full_cache[key] = t
         return full_cache[key]
 
+    local = {"master": {}, "residual": {}}  # what -> {id(param): TP-local fp32}
+    for what, placed in local.items():
+        for name, index, sh in shards(model, lambda p: placed.setdefault(id(p), torch.empty(p.shape)),
+                                      stacked=True):
+            sh.data.copy_(full_of(name, sh, what)[index].view(sh.data.shape))
     for leaf in leaves(optimizer):
         distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
         groups = (zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups) if distributed
                   else zip(leaf.float16_groups, leaf.fp32_from_float16_groups))
-        entries = dict((id(p), e) for p, e in _model_entries(model))
         for model_group, main_group in groups:
             for p, main in zip(model_group, main_group):
+                r = leaf._get_model_param_range_map(p)["param"] if distributed else None
                 for what in ("master", "residual"):
-                    local = torch.empty(p.shape)
-                    for sh in _parts(entries[id(p)], local):
-                        index = tuple(slice(o, o + n) for o, n in zip(
-                            sh.global_offset, (1,) * sh.prepend_axis_num + tuple(sh.data.shape)))
-                        sh.data.copy_(full_of(sh, what)[index].view(sh.data.shape))
-                    r = leaf._get_model_param_range_map(p)["param"] if distributed else None
-                    value = local.view(-1)[r.start:r.end] if distributed else local
+                    value = local[what][id(p)].view(-1)[r.start:r.end] if distributed else local[what][id(p)]
                     if what == "master":
                         main.data.copy_(value.view(main.shape))
                     elif hasattr(leaf, "export_cast") and leaf.export_cast.residuals:
