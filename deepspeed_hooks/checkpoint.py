@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -91,24 +92,37 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
 def to_universal(tag_dir: str, out_dir: str) -> None:
     """Convert a checkpoint tag to DeepSpeed's universal format, keeping the Fair Cast state.
 
+    The conversion is written to ``out_dir + ".partial"`` and renamed when complete.
+
     Raises:
         ValueError: ``tag_dir`` has no export-cast state (written without Fair Cast).
+        FileExistsError: ``out_dir`` exists.
         subprocess.CalledProcessError: DeepSpeed's converter failed.
     """
     served, meta = read_state(tag_dir, SERVED_KEY)
     if not served:
         raise ValueError(f"{tag_dir} has no '{SERVED_KEY}': it was not written with Fair Cast")
     residual, _ = read_state(tag_dir, RESIDUAL_KEY)
-    stage3 = not os.path.exists(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    dense = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    stage3 = not os.path.exists(dense)
+    config = _load(dense if not stage3 else os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+                   ).get("ds_config", {}).get("export_cast")
+    if os.path.exists(out_dir):
+        raise FileExistsError(f"{out_dir} exists: not overwriting a checkpoint")
+    tmp = out_dir.rstrip(os.sep) + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)  # a previous conversion that died half-way
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
-           "--output_folder", out_dir, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+           "--output_folder", tmp, "--num_extract_workers", "1", "--num_merge_workers", "1"]
     subprocess.run(cmd + ([] if stage3 else ["--inject_missing_state"]), check=True)
-    zero = os.path.join(out_dir, "zero")
+    zero = os.path.join(tmp, "zero")
     for key, values in ((SERVED_KEY, served), (RESIDUAL_KEY, residual)):
         for name, tensor in values.items():
             torch.save({"param": tensor}, os.path.join(zero, name, f"{key}.pt"))
-    config = _load(os.path.join(tag_dir, os.listdir(tag_dir)[0])).get("ds_config", {}).get("export_cast")
     torch.save({"step": meta["step"], "config": config}, os.path.join(zero, UNIVERSAL_STATE_FILE))
+    os.replace(tmp, out_dir)  # only a complete conversion appears under the final name
+    root, name = os.path.split(out_dir.rstrip(os.sep))
+    with open(os.path.join(root, "latest_universal"), "w") as f:  # DeepSpeed's converter named the .partial
+        f.write(name)
 
 
 def read_universal(folder: str, names: list[str]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:

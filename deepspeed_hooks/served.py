@@ -50,6 +50,8 @@ def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, t
 def read_checkpoint(folder: str, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The served bf16 weights saved in a DeepSpeed checkpoint: ``{name: bf16 tensor}``.
 
+    The same names as :func:`served_weights`: the trained params (tied weights once, no buffers).
+
     Args:
         folder: the ``save_dir`` given to ``engine.save_checkpoint``.
         tag: the checkpoint tag (default: the one named in ``folder/latest``).
@@ -63,9 +65,12 @@ def read_checkpoint(folder: str, tag: str | None = None) -> dict[str, torch.Tens
             tag = f.read().strip()
     path = os.path.join(folder, tag)
     dense = os.path.join(path, "mp_rank_00_model_states.pt")
-    if os.path.exists(dense):  # stage 0/1/2: the saved module is the served bf16 model
-        module = torch.load(dense, map_location="cpu", weights_only=False, mmap=True)["module"]
-        return {n: t.to(torch.bfloat16).contiguous() for n, t in module.items()}
+    if os.path.exists(dense):  # stage 0/1/2: the saved module's params are the served bf16 model
+        sd = torch.load(dense, map_location="cpu", weights_only=False, mmap=True)
+        # the params DeepSpeed trained (named_parameters: tied weights once; no buffers), each
+        # in its own storage, as served_weights() yields them from a live engine
+        names = [n for group in sd["param_shapes"] for n in group]
+        return {n: sd["module"][n].to(torch.bfloat16).clone() for n in names}
     served, _ = read_state(path, SERVED_KEY)  # ZeRO-3: rebuild from the per-rank served partitions
     if not served:
         raise ValueError(f"{path} has no '{SERVED_KEY}' in its optimizer state: a ZeRO-3 checkpoint stores no "

@@ -11,8 +11,9 @@ variant (``offload_optimizer``) goes through the same gather, with the fp32 part
 
 Global element indices come from each bf16 param's ``_hp_mapping`` fragment:
 ``lp_fragment_address.start`` is where the fragment starts in the flattened param (independent of
-DP size, padding and round-robin order); ``hp_fragment_address.start`` is where it sits in the
-rank's fp32 partition.
+DP size and padding); ``hp_fragment_address.start`` is where it sits in the rank's fp32
+partition. DeepSpeed builds that mapping in the original param order, which is wrong under
+``round_robin_gradients`` (the flat buffer is then reordered): that setting is refused.
 """
 from __future__ import annotations
 
@@ -72,7 +73,17 @@ def _patch_gather(module) -> None:
 
 
 def attach(optimizer, caster, param_names) -> FlatPartitionExport:
-    """Attach Fair Cast to a ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, offload too) or ``BF16_Optimizer``."""
+    """Attach Fair Cast to a ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, offload too) or ``BF16_Optimizer``.
+
+    Raises:
+        NotImplementedError: with ``zero_optimization.round_robin_gradients``: DeepSpeed 0.19
+            builds the ``_hp_mapping`` fragments in the original param order while the flat buffer
+            is in round-robin order, so the fragments would name the wrong params.
+    """
+    if getattr(optimizer, "round_robin_gradients", False):
+        raise NotImplementedError('"export_cast" mode "fair" does not support "zero_optimization": '
+                                  '{"round_robin_gradients": true}: DeepSpeed\'s fragment mapping ignores the '
+                                  "round-robin order of the flat buffer (it would key elements by the wrong param)")
     if isinstance(optimizer, stage_1_and_2.DeepSpeedZeroOptimizer):
         names, module = ("bit16_groups", "parallel_partitioned_bit16_groups", "single_partition_of_fp32_groups"), stage_1_and_2
     else:

@@ -39,7 +39,7 @@ class FairCaster:
 
     def new_residual(self, master: torch.Tensor) -> torch.Tensor:
         """A zero residual for ``master`` (same shape and device, the configured dtype)."""
-        return torch.zeros_like(master, dtype=RESIDUAL_DTYPES[self.config.residual_dtype])
+        return torch.zeros(master.shape, dtype=RESIDUAL_DTYPES[self.config.residual_dtype], device=master.device)
 
     def cast(self, name: str, master: torch.Tensor, index: torch.Tensor | int = 0,
              out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,8 +76,9 @@ class FairCaster:
         self.step += 1
 
     def state_dict(self) -> dict:
-        """``{"config": dict, "step": int, "residuals": {name: tensor}}``."""
-        return {"config": self.config.to_dict(), "step": self.step, "residuals": dict(self.residuals)}
+        """``{"config": dict, "step": int, "residuals": {name: tensor}}``: a snapshot (copies)."""
+        return {"config": self.config.to_dict(), "step": self.step,
+                "residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore step and residuals saved by :meth:`state_dict`.
@@ -92,4 +93,5 @@ class FairCaster:
         self.step = int(state["step"])
         saved = ExportCastConfig.from_value(state.get("config"))
         same = saved.effective_method == self.method == "error_feedback"
-        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()} if same else {}
+        dtype = RESIDUAL_DTYPES[self.config.residual_dtype]
+        self.residuals = {k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()} if same else {}

@@ -38,14 +38,15 @@ class ExportCastConfig:
     residual_dtype: str = "float32"
 
     def __post_init__(self):
-        object.__setattr__(self, "method", str(self.method).replace("-", "_"))
-        if self.mode not in MODES:
+        if isinstance(self.method, str):
+            object.__setattr__(self, "method", self.method.replace("-", "_"))
+        if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"export_cast.mode must be one of {MODES}, got {self.mode!r}")
-        if self.method not in METHODS:
+        if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"export_cast.method must be one of {METHODS}, got {self.method!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
             raise ValueError(f"export_cast.seed must be an int64, got {self.seed!r}")
-        if self.residual_dtype not in RESIDUAL_DTYPES:
+        if not isinstance(self.residual_dtype, str) or self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(
                 f"export_cast.residual_dtype must be one of {tuple(RESIDUAL_DTYPES)}, got {self.residual_dtype!r}")
 

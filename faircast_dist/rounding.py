@@ -55,7 +55,8 @@ def _chunked(master: torch.Tensor, out: torch.Tensor | None, fn) -> torch.Tensor
     Chunking keeps temporaries in cache (several times faster than whole-tensor passes on CPU)
     and bounds the extra memory to a few MB on any device.
     """
-    target = out if out is not None and out.is_contiguous() else torch.empty_like(master, dtype=torch.bfloat16)
+    target = out if out is not None and out.is_contiguous() else \
+        torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
     flat = target.view(-1)
     chunk = _CHUNK.get(flat.device.type, _CHUNK_OTHER)
     for lo in range(0, flat.numel(), chunk):
@@ -125,8 +126,13 @@ def cast_stochastic(master: torch.Tensor, key: tuple[int, int], index: torch.Ten
         TypeError / ValueError: on wrong dtypes or shapes, or an index tensor of another shape.
     """
     _check_shard(master, out)
-    if isinstance(index, torch.Tensor) and index.shape != master.shape:
-        raise ValueError(f"index shape {tuple(index.shape)} != master shard shape {tuple(master.shape)}")
+    if isinstance(index, torch.Tensor):
+        if index.shape != master.shape:
+            raise ValueError(f"index shape {tuple(index.shape)} != master shard shape {tuple(master.shape)}")
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise TypeError(f"index must be an integer tensor of global element indices, got {index.dtype}")
+    elif not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 2**63 - master.numel():
+        raise ValueError(f"index must be an int start offset in [0, 2**63 - numel) or an index tensor, got {index!r}")
     flat = master.reshape(-1)
     flat_index = index if isinstance(index, int) else index.reshape(-1)
 
@@ -159,6 +165,8 @@ def cast_error_feedback(master: torch.Tensor, residual: torch.Tensor,
         raise ValueError(f"residual shape {tuple(residual.shape)} != master shard shape {tuple(master.shape)}")
     if residual.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"residual must be float32 or bfloat16, got {residual.dtype}")
+    if not residual.is_contiguous():
+        raise ValueError("residual must be contiguous: it is updated in place through a flat view")
     flat, res = master.reshape(-1), residual.view(-1)  # residual must be updatable in place
 
     def chunk(lo, hi):

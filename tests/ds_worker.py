@@ -91,6 +91,7 @@ def _worker(rank, world_size, port, opts, out_path):
 
     cfg = ds_config(world_size, opts["path"], opts["export_cast"], opts["lr"], universal=opts["load_tag"] is not None)
     cfg["bf16"]["enabled"] = opts["bf16"]
+    cfg["zero_optimization"].update(opts["zero_extra"] or {})
     if opts["monitor_dir"]:
         cfg["csv_monitor"] = {"enabled": True, "output_path": opts["monitor_dir"], "job_name": "fair"}
     if opts["hook"] == "patch":  # the one-line way for an existing launch script
@@ -169,7 +170,8 @@ def _worker(rank, world_size, port, opts, out_path):
 def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 4, lr: float = 1e-3,
         hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None,
         load_tag: str | None = None, preset: bool = False, save_at: tuple = (),
-        crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None) -> list[dict]:
+        crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
+        zero_extra: dict | None = None) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``hook``: "initialize" (deepspeed_hooks.initialize), "patch" (patch_deepspeed, then
@@ -177,7 +179,8 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
-                save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir)
+                save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
+                zero_extra=zero_extra)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         for attempt in range(3):

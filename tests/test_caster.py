@@ -25,6 +25,10 @@ def test_config_parsing_and_errors():
         ExportCastConfig(mode="fair", residual_dtype="float16")
     with pytest.raises(TypeError, match="export_cast must be a mode string or a dict"):
         ExportCastConfig.from_value(["fair"])
+    with pytest.raises(ValueError, match=r"export_cast.residual_dtype must be one of .* got \['float32'\]"):
+        ExportCastConfig.from_value({"mode": "fair", "residual_dtype": ["float32"]})
+    with pytest.raises(ValueError, match="export_cast.method must be one of .* got None"):
+        ExportCastConfig.from_value({"mode": "fair", "method": None})
 
 
 def test_caster_steps_key_the_bits():
@@ -115,3 +119,15 @@ def test_logprob_gap():
     shifted[..., 0] += 1.0
     gap, kl = logprob_gap(logits, shifted, targets)
     assert gap > 0 and kl > 0
+
+
+def test_state_dict_is_a_snapshot_and_residual_dtype_is_applied_on_load():
+    ef = FairCaster({"mode": "fair", "method": "error_feedback"})
+    ef.cast("w", torch.randn(100) + 1e-3)
+    saved = ef.state_dict()
+    before = saved["residuals"]["w"].clone()
+    ef.cast("w", torch.randn(100) + 1e-3)
+    assert torch.equal(saved["residuals"]["w"], before)  # later casts do not change a taken state
+    half = FairCaster({"mode": "fair", "method": "error_feedback", "residual_dtype": "bfloat16"})
+    half.load_state_dict(saved)
+    assert half.residuals["w"].dtype == torch.bfloat16

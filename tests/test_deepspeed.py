@@ -132,7 +132,9 @@ def test_universal_checkpoint_keeps_residuals_across_dp_sizes(path, world, new_w
     import os
     from deepspeed_hooks.checkpoint import to_universal
     saved = run(world, path=path, export_cast=EF, steps=3, save_dir=str(tmp_path))[0]
+    (tmp_path / "global_step3" / "notes.txt").write_text("a stray file the converter must ignore")
     to_universal(os.path.join(tmp_path, "global_step3"), os.path.join(tmp_path, "universal"))
+    assert (tmp_path / "latest_universal").read_text() == "universal"
     resumed = run(new_world, path=path, export_cast=EF, steps=2, load_dir=str(tmp_path), load_tag="universal")[0]
     loaded_bf16, loaded_master, loaded_residual = resumed["start"]
     # each element's master, residual and served value follow it to the new layout, exactly
@@ -214,3 +216,29 @@ def test_drift_telemetry_reaches_deepspeed_csv_monitor(path, tmp_path):
     assert gaps == pytest.approx(full, rel=1e-5)  # the tiny model is smaller than the sample
     assert all(v == 0 for _, v in series["Train_Samples_export_cast_lag_steps"])  # SR at lr 1e-3 keeps up
     assert all(v > 0 for _, v in series["Train_Samples_export_cast_export_ms"])
+
+
+def test_round_robin_gradients_is_refused():
+    with pytest.raises(Exception, match="round_robin_gradients"):
+        run(2, export_cast=SR, steps=1, zero_extra={"round_robin_gradients": True})
+
+
+def test_served_cli_writes_params_once_without_buffers(tmp_path):
+    """Tied weights share storage in the saved module; buffers are saved too: the CLI writes
+    each trained param once (as served_weights does), in its own storage."""
+    from collections import OrderedDict
+
+    from safetensors.torch import load_file
+
+    from deepspeed_hooks.served import main
+    emb = torch.randn(7, 3).to(torch.bfloat16)
+    module = {"emb.weight": emb, "head.weight": emb, "norm.running_mean": torch.zeros(3),
+              "norm.num_batches_tracked": torch.tensor(1001)}
+    folder = tmp_path / "ckpt"
+    (folder / "global_step1").mkdir(parents=True)
+    (folder / "latest").write_text("global_step1")
+    torch.save({"module": module, "param_shapes": [OrderedDict([("emb.weight", emb.shape)])]},
+               folder / "global_step1" / "mp_rank_00_model_states.pt")
+    main([str(folder), str(tmp_path / "served.safetensors")])
+    written = load_file(tmp_path / "served.safetensors")
+    assert list(written) == ["emb.weight"] and torch.equal(written["emb.weight"].view(torch.int16), emb.view(torch.int16))

@@ -190,3 +190,18 @@ def test_bad_input(bad, match):
         cast_stochastic(torch.zeros(3), KEY, torch.arange(4))
     with pytest.raises(ValueError, match="residual shape"):
         cast_error_feedback(torch.zeros(3), torch.zeros(4))
+
+
+def test_non_contiguous_masters_and_bad_arguments():
+    m = torch.randn(6, 5)
+    for master in (m.t(), m[:, ::2]):  # transposed (dense) and strided views cast like their copies
+        assert torch.equal(cast_stochastic(master, KEY, 0), cast_stochastic(master.contiguous(), KEY, 0))
+        e1, e2 = torch.full(master.shape, 1e-3), torch.full(master.shape, 1e-3)
+        assert torch.equal(cast_error_feedback(master, e1), cast_error_feedback(master.contiguous(), e2))
+        assert torch.equal(e1, e2)
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        cast_error_feedback(m, torch.zeros(5, 6).t())
+    with pytest.raises(TypeError, match="index must be an integer tensor"):
+        cast_stochastic(m, KEY, torch.zeros(6, 5))
+    with pytest.raises(ValueError, match="index must be an int start offset"):
+        cast_stochastic(m, KEY, 2**63 - 10)
