@@ -37,7 +37,6 @@ real elements (telemetry counts only those); :func:`megatron_to_hf` drops the pa
 from __future__ import annotations
 
 import math
-import re
 from typing import Optional
 
 import torch
