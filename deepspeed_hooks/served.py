@@ -67,9 +67,16 @@ def read_checkpoint(folder: str, tag: str | None = None) -> dict[str, torch.Tens
     dense = os.path.join(path, "mp_rank_00_model_states.pt")
     if os.path.exists(dense):  # stage 0/1/2: the saved module's params are the served bf16 model
         sd = torch.load(dense, map_location="cpu", weights_only=False, mmap=True)
-        # the params DeepSpeed trained (named_parameters: tied weights once; no buffers), each
-        # in its own storage, as served_weights() yields them from a live engine
-        names = [n for group in sd["param_shapes"] for n in group]
+        # the params DeepSpeed trained, as served_weights() yields them from a live engine: no
+        # buffers, tied weights once (named_parameters order), each in its own storage
+        if sd.get("param_shapes"):  # ZeRO-1/2, BF16_Optimizer
+            names = [n for group in sd["param_shapes"] for n in group]
+        else:  # stage 0: the module minus its buffers, shared storages once
+            buffers, seen, names = set(sd.get("buffer_names") or ()), set(), []
+            for n, t in sd["module"].items():
+                if n not in buffers and (t.untyped_storage().data_ptr(), t.storage_offset()) not in seen:
+                    seen.add((t.untyped_storage().data_ptr(), t.storage_offset()))
+                    names.append(n)
         return {n: sd["module"][n].to(torch.bfloat16).clone() for n in names}
     served, _ = read_state(path, SERVED_KEY)  # ZeRO-3: rebuild from the per-rank served partitions
     if not served:

@@ -242,3 +242,8 @@ def test_served_cli_writes_params_once_without_buffers(tmp_path):
     main([str(folder), str(tmp_path / "served.safetensors")])
     written = load_file(tmp_path / "served.safetensors")
     assert list(written) == ["emb.weight"] and torch.equal(written["emb.weight"].view(torch.int16), emb.view(torch.int16))
+    # stage 0 saves no param_shapes: the same result from the module and its buffer names
+    torch.save({"module": module, "param_shapes": None, "buffer_names": ["norm.running_mean", "norm.num_batches_tracked"]},
+               folder / "global_step1" / "mp_rank_00_model_states.pt")
+    main([str(folder), str(tmp_path / "served0.safetensors")])
+    assert list(load_file(tmp_path / "served0.safetensors")) == ["emb.weight"]
