@@ -114,11 +114,9 @@ def main(argv=None):
             save_file(weights, args.save_served)
             print(f"Wrote the served bf16 model to {os.path.abspath(args.save_served)}")
     if rank == 0:
-        csv_path, png_path = summarize(records, args.trainer_cast, args.out_dir)
-        print(f"Trainer's bf16 model bit-identical to the side-by-side {args.trainer_cast} export at every step: "
-              f"{trainer_matches}")
-        print(f"Start weights: {'SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32, then bf16 (DeepSpeed masters start on the bf16 grid)' if args.model == 'smollm2' else 'tiny random Llama'}")
-        print(f"Wrote {os.path.abspath(csv_path)}\nWrote {os.path.abspath(png_path)}")
+        start = ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32, then bf16 (DeepSpeed masters start on "
+                 "the bf16 grid)" if args.model == "smollm2" else "tiny random Llama")
+        summarize(records, args.trainer_cast, args.out_dir, trainer_matches, notes=(f"Start weights: {start}",))
     dist.barrier()
     engine.destroy()
     dist.destroy_process_group()

@@ -227,14 +227,12 @@ def main(argv=None):
                 records.append(dict(step=step, method=m, loss=loss, **row))
             bar.set_postfix(loss=f"{loss:.3f}", **{f"chg%_{m[:2]}": f"{rows[m]['changed_pct']:.2f}" for m in METHODS})
     if rank == 0:
-        csv_path, png_path = summarize(records, trainer_cast, args.out_dir,
-                                       title=f"Fair Cast drift telemetry, Megatron TP={tp}")
-        print(f"Trainer's bf16 model bit-identical to the side-by-side {trainer_cast} export at every step: "
-              f"{trainer_matches}")
-        if masks:
-            print(f"KV-group padding for TP still exactly zero in the master at every step: {padding_zero}")
-        print(f"Start weights: {'SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32, then bf16 (Megatron masters start on the bf16 grid)' if args.model == 'smollm2' else 'tiny random Llama (3 KV groups)'}")
-        print(f"Wrote {os.path.abspath(csv_path)}\nWrote {os.path.abspath(png_path)}")
+        start = ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32, then bf16 (Megatron masters start on "
+                 "the bf16 grid)" if args.model == "smollm2" else "tiny random Llama (3 KV groups)")
+        notes = ([f"KV-group padding for TP still exactly zero in the master at every step: {padding_zero}"]
+                 if masks else []) + [f"Start weights: {start}"]
+        summarize(records, trainer_cast, args.out_dir, trainer_matches, notes=tuple(notes),
+                  title=f"Fair Cast drift telemetry, Megatron TP={tp}")
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()

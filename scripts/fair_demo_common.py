@@ -194,14 +194,20 @@ class Exports:
         return rows
 
 
-def summarize(records, trainer_cast, out_dir, title: str = "Fair Cast drift telemetry"):
-    """Print the summary table; write telemetry.csv and telemetry.png. Returns their paths.
+def summarize(records, trainer_cast, out_dir, trainer_matches: bool, notes: tuple[str, ...] = (),
+              title: str = "Fair Cast drift telemetry"):
+    """Print the summary table and the run's checks; write telemetry.csv and telemetry.png.
 
     Args:
         records: one dict per (step, method): step, method, loss and the :meth:`Exports.step` keys.
         trainer_cast: the method of the trainer's own bf16 weights (printed, in the plot title).
         out_dir: created if missing.
+        trainer_matches: whether the trainer's bf16 model equalled its method's export every step.
+        notes: more lines to print after that check (start weights, model-specific checks).
         title: the plot's title prefix.
+
+    Returns:
+        ``(csv path, png path)``.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -222,6 +228,10 @@ def summarize(records, trainer_cast, out_dir, title: str = "Fair Cast drift tele
         print(f"{m:<16}{mean('changed_pct'):>11.3f}{rs[-1]['lag_steps']:>11d}{mean('gap_ulps'):>10.3f}"
               f"{mean('logp_gap'):>13.2e}{mean('kl'):>11.2e}{mean('export_ms'):>11.1f}")
     print(f"The trainer's own bf16 weights used: {trainer_cast}")
+    print(f"Trainer's bf16 model bit-identical to the side-by-side {trainer_cast} export at every step: "
+          f"{trainer_matches}")
+    for line in notes:
+        print(line)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (key, label) in zip(axes.flat, [("changed_pct", "% served weights changed"), ("lag_steps", "lag (steps)"),
                                             ("gap_ulps", "gap |served - master| (ulps)"),
@@ -236,4 +246,5 @@ def summarize(records, trainer_cast, out_dir, title: str = "Fair Cast drift tele
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+    print(f"Wrote {os.path.abspath(csv_path)}\nWrote {os.path.abspath(png_path)}")
     return csv_path, png_path
