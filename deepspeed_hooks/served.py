@@ -1,5 +1,6 @@
-"""The served bf16 weights: from a live engine (for an inference engine's ``load_weights``) or
-from a checkpoint on disk (a CLI that writes safetensors).
+"""The served bf16 weights: from a live engine (for an inference engine's ``load_weights``), as
+deltas since the previous sync (:func:`served_deltas`), or from a checkpoint on disk (a CLI that
+writes safetensors).
 
     python -m deepspeed_hooks.served CHECKPOINT_DIR served.safetensors [--tag global_step100]
 
@@ -17,6 +18,7 @@ import torch
 
 from deepspeed_hooks.checkpoint import read_state
 from deepspeed_hooks.export import SERVED_KEY
+from faircast_dist.delta import DeltaTracker, index_dtype
 
 
 def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,6 +47,80 @@ def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, t
                 copies = [(n, q.detach().clone()) for n, q in bucket]
             yield from copies
             bucket, size = [], 0
+
+
+def served_deltas(engine, tracker: DeltaTracker,
+                  bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Yield ``(name, index, values)`` for every param: the served bf16 elements whose bits
+    changed since ``tracker`` last saw them (see :mod:`faircast_dist.delta`).
+
+    ``index`` holds ascending flat indices into the full param (int32, int64 for params of 2**31
+    elements or more), the same under any stage and DP size; ``values`` the new bf16 values. A
+    param with no change yields empty tensors; the first call (an empty tracker) yields every
+    element. Apply them on the receiving side with :func:`faircast_dist.delta.apply_deltas`.
+
+    Memory, kept in ``tracker`` (the caller's; one per rank, reused every call): stages 0/1/2
+    diff the full bf16 params each rank already holds, so each rank keeps a bf16 copy of the
+    model (2 bytes per element) and no communication happens; ZeRO-3 diffs each rank's own
+    partition (``2 * numel / DP`` bytes) and all-gathers the deltas over the param's DP group a
+    bucket of params at a time (``bucket_bytes`` of bf16 params per bucket, plus one param).
+    Every rank yields the same deltas. Collective under ZeRO-3: every rank must run the generator
+    to the end.
+
+    Args:
+        engine: an initialized DeepSpeed engine (with or without Fair Cast).
+        tracker: a :class:`faircast_dist.delta.DeltaTracker` used only with this engine.
+        bucket_bytes: ZeRO-3 bucket size in bytes (default 256 MiB).
+    """
+    params = list(engine.module.named_parameters())
+    if not any(hasattr(p, "ds_id") for _, p in params):
+        for name, p in params:
+            yield (name, *tracker.diff(name, p.detach()))
+        return
+    bucket, size = [], 0
+    for i, (name, p) in enumerate(params):
+        bucket.append((name, p))
+        size += p.ds_numel * 2
+        if size >= bucket_bytes or i == len(params) - 1:
+            yield from _zero3_deltas(bucket, tracker)
+            bucket, size = [], 0
+
+
+@torch.no_grad()
+def _zero3_deltas(bucket, tracker: DeltaTracker):
+    """Each rank diffs its partitions (``ds_tensor``: elements ``[r*pn, (r+1)*pn)`` of the flat
+    param, padding past ``ds_numel`` left out), then one all-gather of counts and one of the
+    packed (index, value bits) lists, as int64, padded to the longest rank's list."""
+    from deepspeed import comm as dist
+    group = bucket[0][1].ds_process_group
+    rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
+    local = []
+    for name, p in bucket:
+        pn = p.ds_tensor.ds_numel
+        numel = max(0, min(pn, p.ds_numel - rank * pn))
+        local.append(tracker.diff(name, p.ds_tensor.data.view(-1).narrow(0, 0, numel), rank * pn, p.ds_numel))
+    device = bucket[0][1].ds_tensor.device
+    counts = torch.tensor([len(index) for index, _ in local], dtype=torch.int64, device=device)
+    all_counts = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(all_counts, counts, group=group)
+    longest = max(int(c.sum()) for c in all_counts)
+    packed = torch.zeros(2 * longest, dtype=torch.int64, device=device)
+    total = int(counts.sum())
+    if total:
+        packed[:total] = torch.cat([index.to(torch.int64) for index, _ in local])
+        packed[longest:longest + total] = torch.cat([values.view(torch.int16).to(torch.int64) for _, values in local])
+    gathered = [torch.empty_like(packed) for _ in range(world)]
+    dist.all_gather(gathered, packed, group=group)
+    offsets = [0] * world
+    for j, (name, p) in enumerate(bucket):
+        index, values = [], []
+        for r in range(world):  # rank order: ascending indices
+            c = int(all_counts[r][j])
+            index.append(gathered[r][offsets[r]:offsets[r] + c])
+            values.append(gathered[r][longest + offsets[r]:longest + offsets[r] + c])
+            offsets[r] += c
+        yield (name, torch.cat(index).to(index_dtype(p.ds_numel)),
+               torch.cat(values).to(torch.int16).view(torch.bfloat16))
 
 
 def read_checkpoint(folder: str, tag: str | None = None) -> dict[str, torch.Tensor]:

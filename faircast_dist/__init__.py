@@ -6,9 +6,9 @@ Modules: :mod:`.philox` (counter-based RNG), :mod:`.rounding` (the casts), :mod:
 """
 from faircast_dist.caster import FairCaster
 from faircast_dist.config import ExportCastConfig
-from faircast_dist.philox import derive_key, philox4x32_10, random_bits16
+from faircast_dist.philox import derive_dither_key, derive_key, philox4x32_10, random_bits16
 from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic
 from faircast_dist.shards import block_index
 
-__all__ = ["FairCaster", "ExportCastConfig", "derive_key", "philox4x32_10", "random_bits16",
+__all__ = ["FairCaster", "ExportCastConfig", "derive_key", "derive_dither_key", "philox4x32_10", "random_bits16",
            "cast_nearest", "cast_stochastic", "cast_error_feedback", "block_index"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from faircast_dist.config import RESIDUAL_DTYPES, ExportCastConfig
-from faircast_dist.philox import derive_key
+from faircast_dist.philox import derive_dither_key, derive_key
 from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic
 
 
@@ -21,7 +21,8 @@ class FairCaster:
         config: an :class:`ExportCastConfig` (or anything ``ExportCastConfig.from_value`` takes).
 
     Attributes:
-        step: number of completed exports (int); keys the random bits of stochastic rounding.
+        step: number of completed exports (int); keys the random bits of stochastic rounding
+            (dithered rounding's bits do not depend on it).
             Call :meth:`advance` once after each whole-model export.
         residuals: error-feedback residuals owned by the caster, keyed by parameter name, used
             when :meth:`cast` is not handed one (integrations keep theirs in the optimizer state).
@@ -34,8 +35,25 @@ class FairCaster:
 
     @property
     def method(self) -> str:
-        """``"nearest"``, ``"stochastic"`` or ``"error_feedback"``."""
+        """``"nearest"``, ``"stochastic"``, ``"error_feedback"`` or ``"dithered"``."""
         return self.config.effective_method
+
+    def key(self, name: str) -> tuple[int, int]:
+        """Philox key ``(k0, k1)`` of param ``name``'s random bits at the current step.
+
+        Stochastic rounding: :func:`~faircast_dist.philox.derive_key` (seed, step, name), fresh
+        bits at every export. Dithered rounding: :func:`~faircast_dist.philox.derive_dither_key`
+        (seed, name), the same bits at every export. Both cast with
+        :func:`~faircast_dist.rounding.cast_stochastic` (counter = global element index).
+
+        Raises:
+            ValueError: when the method draws no random bits (nearest, error feedback).
+        """
+        if self.method == "stochastic":
+            return derive_key(self.config.seed, self.step, name)
+        if self.method == "dithered":
+            return derive_dither_key(self.config.seed, name)
+        raise ValueError(f"export cast method {self.method!r} draws no random bits: it has no Philox key")
 
     def new_residual(self, master: torch.Tensor) -> torch.Tensor:
         """A zero residual for ``master`` (same shape and device, the configured dtype)."""
@@ -63,8 +81,8 @@ class FairCaster:
         method = self.method
         if method == "nearest":
             return cast_nearest(master, out)
-        if method == "stochastic":
-            return cast_stochastic(master, derive_key(self.config.seed, self.step, name), index, out)
+        if method in ("stochastic", "dithered"):
+            return cast_stochastic(master, self.key(name), index, out)
         if residual is None:
             residual = self.residuals.get(name)
             if residual is None:
@@ -72,7 +90,7 @@ class FairCaster:
         return cast_error_feedback(master, residual, out)
 
     def advance(self) -> None:
-        """Mark one whole-model export as done (the next cast draws fresh random bits)."""
+        """Mark one whole-model export as done (stochastic rounding's next cast draws fresh bits)."""
         self.step += 1
 
     def state_dict(self) -> dict:
@@ -84,7 +102,8 @@ class FairCaster:
         """Restore step and residuals saved by :meth:`state_dict`.
 
         Residuals are kept only when both the saved and the current method are error feedback.
-        Loading a state of another method is allowed (stochastic <-> nearest carry no state);
+        Loading a state of another method is allowed (stochastic, dithered and nearest carry no
+        state beyond the step);
         switching *to* error feedback starts from zero residuals.
 
         Raises:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 MODES = ("nearest", "fair")
-METHODS = ("stochastic", "error_feedback")
+METHODS = ("stochastic", "error_feedback", "dithered")
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -22,9 +22,13 @@ class ExportCastConfig:
 
     Args:
         mode: ``"nearest"`` (stock round-to-nearest; Fair Cast off) or ``"fair"``.
-        method: with ``mode="fair"``, ``"stochastic"`` (stochastic rounding, stateless) or
-            ``"error_feedback"`` (a residual per element; ``"error-feedback"`` is accepted).
-        seed: seeds the Philox key of stochastic rounding (int, fits int64).
+        method: with ``mode="fair"``, ``"stochastic"`` (stochastic rounding, fresh random bits
+            at every export, stateless), ``"error_feedback"`` (a residual per element;
+            ``"error-feedback"`` is accepted) or ``"dithered"`` (stochastic rounding with a
+            per-element dither fixed across exports: unbiased, stateless, a served weight
+            changes only when its master crosses its own threshold; see
+            :mod:`faircast_dist.rounding`).
+        seed: seeds the Philox key of stochastic and dithered rounding (int, fits int64).
         residual_dtype: ``"float32"`` (default, exact) or ``"bfloat16"`` (half the memory,
             the residual itself is then rounded) for error feedback.
 
@@ -57,7 +61,7 @@ class ExportCastConfig:
 
     @property
     def effective_method(self) -> str:
-        """``"nearest"``, ``"stochastic"`` or ``"error_feedback"``: what the cast really does."""
+        """``"nearest"`` or one of :data:`METHODS`: what the cast really does."""
         return self.method if self.enabled else "nearest"
 
     @classmethod

@@ -11,6 +11,11 @@ How Fair Cast uses it (``random_bits16``):
   BLAKE2b(digest_size=8) over ``b"faircast/philox/v1\\0" || seed (int64 LE) || step (int64 LE) ||
   name (UTF-8)``, read as two little-endian uint32 words ``(k0, k1)``. Stable across Python
   versions and processes (unlike ``hash()``).
+* dithered rounding's key = ``derive_dither_key(seed, name)``: the same recipe over
+  ``b"faircast/dither/v1\\0" || seed (int64 LE) || name (UTF-8)`` — no step, so an element's
+  dither is the same at every export; the distinct domain string means its BLAKE2b input never
+  equals that of any ``derive_key(seed, step, name)``, so the dither is not the stochastic-rounding
+  bits of some step.
 * counter = ``(block & 0xffffffff, block >> 32, 0, 0)`` with ``block = global_index // 8``.
 * the 4 output words hold 8 16-bit lanes; element ``i`` takes lane ``i % 8``: lane ``2w`` is the
   low half of word ``w``, lane ``2w + 1`` its high half.
@@ -59,10 +64,30 @@ def derive_key(seed: int, step: int, name: str) -> tuple[int, int]:
     Raises:
         TypeError: if ``name`` is not a str.
     """
+    return _blake2b_key(b"faircast/philox/v1\0" + struct.pack("<qq", seed, step), name)
+
+
+def derive_dither_key(seed: int, name: str) -> tuple[int, int]:
+    """Philox key of one parameter's fixed dither (dithered rounding): the same at every step.
+
+    Args:
+        seed: the export-cast seed (any int that fits int64).
+        name: the canonical parameter name, identical on every rank and layout.
+
+    Returns:
+        ``(k0, k1)``, two uint32 words: the first 8 bytes of BLAKE2b(digest_size=8) over
+        ``b"faircast/dither/v1\\0" || seed (int64 LE) || name (UTF-8)``, little-endian.
+
+    Raises:
+        TypeError: if ``name`` is not a str.
+    """
+    return _blake2b_key(b"faircast/dither/v1\0" + struct.pack("<q", seed), name)
+
+
+def _blake2b_key(prefix: bytes, name: str) -> tuple[int, int]:
     if not isinstance(name, str):
         raise TypeError(f"parameter name must be a str, got {type(name).__name__}: {name!r}")
-    payload = b"faircast/philox/v1\0" + struct.pack("<qq", seed, step) + name.encode("utf-8")
-    k0, k1 = struct.unpack("<II", hashlib.blake2b(payload, digest_size=8).digest())
+    k0, k1 = struct.unpack("<II", hashlib.blake2b(prefix + name.encode("utf-8"), digest_size=8).digest())
     return k0, k1
 
 

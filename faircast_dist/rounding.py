@@ -1,4 +1,4 @@
-"""The three fp32 -> bf16 casts, each on one shard with one call (no Python loop over elements).
+"""The fp32 -> bf16 casts, each on one shard with one call (no Python loop over elements).
 
 Bit layout. bf16 is the high half of fp32::
 
@@ -19,6 +19,20 @@ powers of two, where the carry runs into the exponent). So with ``low = bits & 0
   magnitude (<= 0x7f7fffff for finite x) keeps ``mag + r`` below 2**31, so nothing overflows.
 * saturation: a finite x whose magnitude would round to 0x7f80 (Inf) is clamped to bf16 max
   0x7f7f, like PTX ``cvt.rs.satfinite.bf16x2.f32``.
+
+Dithered rounding is :func:`cast_stochastic` with another key: ``r`` comes from
+``derive_dither_key(seed, name)`` (no step), so each element keeps one fixed threshold
+``1 - r / 2**16`` (in ulps above its lower neighbour) at every export. In signal-processing terms
+it is non-subtractive dither with a rectangular-pdf dither one quantization step wide, which makes
+the error's first moment zero for every input (Wannamaker, Lipshitz, Vanderkooy, Wright, "A
+Theory of Non-Subtractive Dither", IEEE Trans. Signal Processing 48(2), 2000): E[q] = x over the
+dither, exactly as for stochastic rounding. The dither is static — a fixed per-element random
+threshold, as in random-threshold ("white-noise") halftoning (Ulichney, "Digital Halftoning",
+MIT Press 1987) — rather than redrawn per export, so a served value changes only when its master
+crosses its own threshold: churn per export is about |update| / spacing (round-to-nearest's
+order) instead of stochastic rounding's 2p(1-p), and an unchanged master serves identical bits.
+No single established name covers "static uniform non-subtractive dither at a floating-point
+cast", so the config calls it ``"dithered"``.
 
 Error feedback (a.k.a. Kahan-style compensation; Zamirai et al., "Revisiting BFloat16 Training",
 arXiv 2010.06192): ``y = x + e; q = RTN(y); e = y - q``. ``y - q`` is exact in fp32 (q is y with
@@ -112,7 +126,9 @@ def cast_stochastic(master: torch.Tensor, key: tuple[int, int], index: torch.Ten
 
     Args:
         master: float32 shard, any shape.
-        key: Philox key from :func:`faircast_dist.philox.derive_key` (seed, step, name).
+        key: Philox key ``(k0, k1)``: :func:`faircast_dist.philox.derive_key` (seed, step, name)
+            for stochastic rounding, :func:`faircast_dist.philox.derive_dither_key` (seed, name)
+            for dithered rounding.
         index: global element indices of the shard's elements (int64 tensor shaped like
             ``master``), or an int: the global index of ``master.reshape(-1)[0]`` when the shard
             is a contiguous run.

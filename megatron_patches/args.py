@@ -1,7 +1,7 @@
 """The ``--export-cast`` arguments, as a Megatron-LM ``extra_args_provider``.
 
     --export-cast {nearest,fair}                     default nearest (stock round to nearest)
-    --export-cast-method {stochastic,error-feedback} default stochastic
+    --export-cast-method {stochastic,error-feedback,dithered} default stochastic
     --export-cast-seed INT                           default 1234
 """
 from __future__ import annotations
@@ -28,12 +28,14 @@ def add_export_cast_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--export-cast", choices=["nearest", "fair"], default="nearest",
                        help="How the fp32 master weights are cast to the bf16 model weights: "
                             "'nearest' (stock round to nearest) or 'fair' (Fair Cast).")
-    group.add_argument("--export-cast-method", choices=["stochastic", "error-feedback"],
+    group.add_argument("--export-cast-method", choices=["stochastic", "error-feedback", "dithered"],
                        default="stochastic",
-                       help="With --export-cast fair: stochastic rounding (stateless) or error "
-                            "feedback (a residual per element, kept in the optimizer checkpoint).")
+                       help="With --export-cast fair: stochastic rounding (stateless), error "
+                            "feedback (a residual per element, kept in the optimizer checkpoint) or "
+                            "dithered rounding (stochastic rounding with a per-element dither fixed "
+                            "across exports: stateless, few served weights change per step).")
     group.add_argument("--export-cast-seed", type=int, default=1234,
-                       help="Seed of the stochastic-rounding random bits (int64).")
+                       help="Seed of the stochastic / dithered rounding random bits (int64).")
     return parser
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from faircast_dist import ExportCastConfig, FairCaster, derive_key
+from faircast_dist import ExportCastConfig, FairCaster, derive_dither_key, derive_key
 from faircast_dist.rounding import cast_stochastic
 from faircast_dist.telemetry import LagTracker, bf16_spacing, changed_fraction, gap_ulps, logprob_gap
 
@@ -15,6 +15,7 @@ def test_config_parsing_and_errors():
     cfg = ExportCastConfig.from_value({"mode": "fair", "method": "error-feedback", "seed": 3})
     assert cfg.method == "error_feedback" and cfg.seed == 3 and cfg.enabled
     assert ExportCastConfig.from_value({"mode": "nearest", "method": "error_feedback"}).effective_method == "nearest"
+    assert ExportCastConfig.from_value({"mode": "fair", "method": "dithered"}).effective_method == "dithered"
     with pytest.raises(ValueError, match=r"unknown key\(s\) in export_cast: \['sed'\]"):
         ExportCastConfig.from_value({"mode": "fair", "sed": 1})
     with pytest.raises(ValueError, match="export_cast.method must be one of .* got 'sr'"):
@@ -43,22 +44,36 @@ def test_caster_steps_key_the_bits():
     assert not torch.equal(b, c.cast("v", x))  # the name keys the bits too
 
 
+def test_dithered_caster_uses_the_stepless_dither_key():
+    x = torch.randn(5000)
+    c = FairCaster({"mode": "fair", "method": "dithered", "seed": 11})
+    assert c.method == "dithered" and c.key("w") == derive_dither_key(11, "w")
+    for _ in range(3):  # the same bits at every step: the cast of stochastic rounding with that key
+        assert torch.equal(c.cast("w", x), cast_stochastic(x, derive_dither_key(11, "w"), 0))
+        c.advance()
+    for config in (None, {"mode": "fair", "method": "error_feedback"}):
+        with pytest.raises(ValueError, match="draws no random bits"):
+            FairCaster(config).key("w")
+
+
 def test_caster_nearest_is_stock():
     x = torch.randn(1000)
     assert torch.equal(FairCaster(None).cast("w", x).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 
-def test_caster_state_dict_round_trip_continues_exactly():
+@pytest.mark.parametrize("method", ["error_feedback", "stochastic", "dithered"])
+def test_caster_state_dict_round_trip_continues_exactly(method):
     torch.manual_seed(0)
     xs = [torch.randn(300) * (1 + 1e-3 * t) for t in range(6)]
-    straight = FairCaster({"mode": "fair", "method": "error_feedback"})
+    config = {"mode": "fair", "method": method}
+    straight = FairCaster(config)
     out_straight = []
     for x in xs:
         out_straight.append(straight.cast("w", x)), straight.advance()
-    first = FairCaster({"mode": "fair", "method": "error_feedback"})
+    first = FairCaster(config)
     for x in xs[:3]:
         first.cast("w", x), first.advance()
-    resumed = FairCaster({"mode": "fair", "method": "error_feedback"})
+    resumed = FairCaster(config)
     resumed.load_state_dict(first.state_dict())
     assert resumed.step == 3
     for t, x in enumerate(xs[3:], 3):

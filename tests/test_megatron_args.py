@@ -26,11 +26,11 @@ def test_defaults_are_stock_round_to_nearest():
     assert not config_from_args(args).enabled
 
 
-def test_flags_parse_into_the_shared_config():
+@pytest.mark.parametrize("flag,method", [("error-feedback", "error_feedback"), ("dithered", "dithered")])
+def test_flags_parse_into_the_shared_config(flag, method):
     parser = add_export_cast_args(megatron_like_parser())
-    args = parser.parse_args("--bf16 --export-cast fair --export-cast-method error-feedback "
-                             "--export-cast-seed 7".split())
-    assert config_from_args(args) == ExportCastConfig(mode="fair", method="error_feedback", seed=7)
+    args = parser.parse_args(f"--bf16 --export-cast fair --export-cast-method {flag} --export-cast-seed 7".split())
+    assert config_from_args(args) == ExportCastConfig(mode="fair", method=method, seed=7)
 
 
 def test_provider_chains_with_a_scripts_own_provider_and_is_idempotent():

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from faircast_dist.philox import derive_key, philox4x32_10, random_bits16
+from faircast_dist.philox import derive_dither_key, derive_key, philox4x32_10, random_bits16
 
 # Random123 kat_vectors: counter (4 words), key (2 words) -> output (4 words).
 KAT = [
@@ -58,6 +58,17 @@ def test_key_is_stable_and_sensitive():
                 derive_key(1234, 7, "layers.1.mlp.weight")}) == 4
     with pytest.raises(TypeError, match="name must be a str"):
         derive_key(1, 2, 3)
+
+
+def test_dither_key_is_stable_stepless_and_not_a_step_key():
+    k = derive_dither_key(1234, "layers.0.mlp.weight")
+    import hashlib, struct
+    payload = b"faircast/dither/v1\0" + struct.pack("<q", 1234) + b"layers.0.mlp.weight"
+    assert k == struct.unpack("<II", hashlib.blake2b(payload, digest_size=8).digest())  # pinned
+    assert len({k, derive_dither_key(1235, "layers.0.mlp.weight"), derive_dither_key(1234, "layers.1.mlp.weight")}) == 3
+    assert k not in {derive_key(1234, step, "layers.0.mlp.weight") for step in range(1000)}
+    with pytest.raises(TypeError, match="name must be a str"):
+        derive_dither_key(1, 3)
 
 
 def test_bits_depend_only_on_index():

@@ -1,15 +1,23 @@
-"""The three casts: exactness of nearest, the statistics that define stochastic rounding and
-error feedback, shard invariance and IEEE edge cases (DESIGN.md invariants 1 and 5)."""
+"""The casts: exactness of nearest, the statistics that define stochastic / dithered rounding and
+error feedback, shard invariance and IEEE edge cases (DESIGN.md invariants 1 and 5).
+
+Stochastic and dithered rounding are the same cast with different Philox keys; the tests that
+take ``method`` run both through :class:`FairCaster` (its key choice included)."""
 import math
 
 import pytest
 import torch
 
-from faircast_dist import block_index, cast_error_feedback, cast_nearest, cast_stochastic, derive_key
+from faircast_dist import FairCaster, block_index, cast_error_feedback, cast_nearest, cast_stochastic, derive_key
 from faircast_dist.rounding import BF16_MAX, stochastic_round
 from faircast_dist.telemetry import bf16_spacing
 
 KEY = derive_key(1234, 0, "w")
+RANDOM_METHODS = ("stochastic", "dithered")
+
+
+def caster(method, seed=1234):
+    return FairCaster({"mode": "fair", "method": method, "seed": seed})
 TINY_SUB = 2.0**-133  # smallest bf16 subnormal (an fp32 subnormal)
 
 
@@ -29,17 +37,18 @@ def test_nearest_is_to_bfloat16_bit_for_bit():
     assert torch.equal(out.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 
-def draws(x, n):
-    """n stochastic roundings of the value x (n elements with different counters)."""
-    return cast_stochastic(torch.full((n,), x, dtype=torch.float32), KEY, 0)
+def draws(x, n, method="stochastic"):
+    """n stochastic / dithered roundings of the value x (n elements with different counters)."""
+    return caster(method).cast("w", torch.full((n,), x, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("method", RANDOM_METHODS)
 @pytest.mark.parametrize("x", [0.3, -0.3, 1.0 - 2**-20, -(2.0 - 2**-17), 1e-3, 1.5 * TINY_SUB,
                                -7.25 * TINY_SUB, 1e-39, 12345.678])
-def test_stochastic_is_unbiased(x):
+def test_stochastic_is_unbiased(x, method):
     n = 200_000
     xf = torch.tensor(x, dtype=torch.float32)
-    q = draws(x, n).float()
+    q = draws(x, n, method).float()
     lo, hi = q.min().item(), q.max().item()
     assert hi - lo <= bf16_spacing(xf).item() * 1.0001  # only the two neighbours occur
     p = (xf.item() - lo) / (hi - lo) if hi > lo else 0.0
@@ -47,17 +56,82 @@ def test_stochastic_is_unbiased(x):
     assert abs(q.double().mean().item() - xf.item()) <= 5 * sd + 1e-45  # 5 sigma
 
 
-def test_round_up_frequency_matches_fractional_position():
+@pytest.mark.parametrize("method", RANDOM_METHODS)
+def test_round_up_frequency_matches_fractional_position(method):
     n = 100_000
     for frac in [1 / 64, 0.25, 0.5, 0.75, 63 / 64]:
         x = 1.0 + frac * 2**-7  # between 1 and the next bf16 value 1 + 2**-7
-        up = (draws(x, n).float() > 1.0).double().mean().item()
+        up = (draws(x, n, method).float() > 1.0).double().mean().item()
         assert abs(up - frac) <= 5 * math.sqrt(frac * (1 - frac) / n)
 
 
-def test_exact_bf16_values_never_move():
+@pytest.mark.parametrize("method", RANDOM_METHODS)
+def test_exact_bf16_values_never_move(method):
     x = torch.randn(10_000).to(torch.bfloat16).float()
-    assert torch.equal(cast_stochastic(x, KEY, 0), x.to(torch.bfloat16))
+    assert torch.equal(caster(method).cast("w", x), x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("x", [0.3, -0.3, 1.0 + 2**-8, 1.0 - 2**-20, -(2.0 - 2**-17), 1e-3, 1.5 * TINY_SUB,
+                               -7.25 * TINY_SUB, 1e-39, 12345.678, 3.3e38])
+def test_exactly_unbiased_over_all_2_16_dithers(x):
+    """E[q] = x exactly when the 16 random bits take each of their 2**16 values once: both
+    stochastic rounding (bits redrawn per export) and dithered rounding (bits fixed per element)
+    are unbiased over the random bits, not just in the large-sample limit."""
+    xf = torch.tensor(x, dtype=torch.float32)
+    q = stochastic_round(xf.expand(2**16), torch.arange(2**16, dtype=torch.int32))
+    assert q.double().sum().item() == xf.double().item() * 2**16  # exact in float64
+
+
+def test_dithered_serves_identical_bits_for_an_unchanged_master():
+    """No flip-flop: the dither is fixed, so an unchanged master is served the same bits at every
+    export (stochastic rounding redraws and changes about 2p(1-p) of them each time)."""
+    x = torch.randn(50_000)
+    dithered, sr = caster("dithered"), caster("stochastic")
+    first_d, first_sr = dithered.cast("w", x), sr.cast("w", x)
+    for _ in range(5):
+        dithered.advance(), sr.advance()
+        assert torch.equal(dithered.cast("w", x).view(torch.int16), first_d.view(torch.int16))
+        assert (sr.cast("w", x).view(torch.int16) != first_sr.view(torch.int16)).float().mean() > 0.2
+    # the seed and the name key the dither; it is never stochastic rounding's bits of a step
+    assert not torch.equal(caster("dithered", seed=1235).cast("w", x), first_d)
+    assert not torch.equal(dithered.cast("v", x), first_d)
+    for step in range(20):
+        assert not torch.equal(cast_stochastic(x, derive_key(1234, step, "w"), 0), first_d)
+
+
+@pytest.mark.parametrize("method", ("nearest", "dithered", "stochastic"))
+def test_churn_on_a_synthetic_drift(method):
+    """Share of served elements that change per export under a random-walk drift of the master.
+
+    Dithered rounding: each element has one fixed threshold, uniform over its bf16 interval, so
+    it changes exactly when the master crosses it: P(change) = |update| / spacing (for |update|
+    below one spacing). Round-to-nearest has the same churn on masters spread uniformly over
+    the interval (its threshold is the midpoint). Stochastic rounding redraws: an element at
+    fractional positions p then p' (same neighbours) changes with probability p(1-p') + p'(1-p),
+    about 1/3 for uniform p, whatever the update. Tolerance: 5 binomial sigma of the per-step share.
+    """
+    n, g = 200_000, torch.Generator().manual_seed(5)
+    x = 1.01 + 0.97 * torch.rand(n, generator=g)  # stays in [1, 2) over 4 steps: spacing 2**-7
+    spacing = 2.0**-7
+    size = 0.2 * spacing * torch.rand(n, generator=g)  # |update| per element, up to 0.2 ulp
+    c = caster(method) if method != "nearest" else FairCaster(None)
+    prev = c.cast("w", x)
+    for _ in range(4):
+        c.advance()
+        old, x = x, x + size * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        q = c.cast("w", x)
+        churn = (q.view(torch.int16) != prev.view(torch.int16)).double().mean().item()
+        prev = q
+        if method == "stochastic":  # P(two independent draws at old, x agree), neighbours compared
+            lo0, lo1 = [(t.view(torch.int32) & -65536).view(torch.float32) for t in (old, x)]
+            p0, p1 = (old - lo0).double() / spacing, (x - lo1).double() / spacing
+            same = torch.where(lo0 == lo1, (1 - p0) * (1 - p1) + p0 * p1,
+                               torch.where(lo1 > lo0, p0 * (1 - p1), (1 - p0) * p1))
+            expected = 1 - same.mean().item()
+            assert 0.3 < expected < 0.37  # about 1/3
+        else:
+            expected = (size / spacing).double().mean().item()  # 0.1
+        assert abs(churn - expected) <= 5 * (0.25 / n) ** 0.5, (method, churn, expected)
 
 
 def test_stochastic_deterministic_and_keyed():
@@ -68,29 +142,32 @@ def test_stochastic_deterministic_and_keyed():
     assert (a.view(torch.int16) != c.view(torch.int16)).any()
 
 
-def test_shard_invariance_contiguous_and_strided():
+@pytest.mark.parametrize("method", RANDOM_METHODS)
+def test_shard_invariance_contiguous_and_strided(method):
     x = torch.randn(48, 40)
+    c = caster(method)
     full_idx = block_index((48, 40), (0, 0), (48, 40))
-    whole = cast_stochastic(x, KEY, full_idx)
-    assert torch.equal(whole.view(torch.int16), cast_stochastic(x, KEY, 0).view(torch.int16))
+    whole = c.cast("w", x, full_idx)
+    assert torch.equal(whole.view(torch.int16), c.cast("w", x, 0).view(torch.int16))
     # column-parallel (rows) and row-parallel (columns) TP=4 shards, given their global offsets
     for dim in (0, 1):
         parts = []
         for r, xs in enumerate(x.chunk(4, dim=dim)):
             off = (r * xs.shape[0], 0) if dim == 0 else (0, r * xs.shape[1])
-            parts.append(cast_stochastic(xs.contiguous(), KEY, block_index(x.shape, off, xs.shape)))
+            parts.append(c.cast("w", xs.contiguous(), block_index(x.shape, off, xs.shape)))
         assert torch.equal(torch.cat(parts, dim=dim).view(torch.int16), whole.view(torch.int16))
     # ZeRO-style uneven contiguous partitions of the flattened param, given their start offsets
     flat, cuts = x.reshape(-1), [0, 7, 500, 1201, 1920]
-    parts = [cast_stochastic(flat[a:b], KEY, a) for a, b in zip(cuts, cuts[1:])]
+    parts = [c.cast("w", flat[a:b], a) for a, b in zip(cuts, cuts[1:])]
     assert torch.equal(torch.cat(parts).view(torch.int16), whole.reshape(-1).view(torch.int16))
 
 
-def test_stochastic_ieee_edge_cases():
+@pytest.mark.parametrize("method", RANDOM_METHODS)
+def test_stochastic_ieee_edge_cases(method):
     x = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 3.4e38, -3.4e38,
                       float(BF16_MAX), TINY_SUB * 0.5, -TINY_SUB * 0.25])
-    for step in range(50):
-        q = cast_stochastic(x, derive_key(0, step, "edge"), 0)
+    for seed in range(50):  # other seeds: other random bits for either method
+        q = caster(method, seed).cast("edge", x)
         assert math.isnan(q[0]) and q[1] == math.inf and q[2] == -math.inf
         assert q[3].view(torch.int16) == 0 and q[4].view(torch.int16) == torch.tensor(-0.0).to(torch.bfloat16).view(torch.int16)
         assert q[5] == BF16_MAX and q[6] == -BF16_MAX and q[7] == BF16_MAX  # saturate, never Inf
@@ -98,9 +175,10 @@ def test_stochastic_ieee_edge_cases():
         assert torch.isfinite(q[3:]).all()
 
 
-def test_random_patterns_stay_in_class_and_between_neighbours():
+@pytest.mark.parametrize("method", RANDOM_METHODS)
+def test_random_patterns_stay_in_class_and_between_neighbours(method):
     x = random_fp32_patterns(1 << 16, seed=3)
-    q = cast_stochastic(x, KEY, 0)
+    q = caster(method).cast("w", x)
     fin = torch.isfinite(x)
     assert torch.equal(torch.isnan(q), torch.isnan(x))
     assert torch.equal(q[~fin & ~torch.isnan(x)], x[~fin & ~torch.isnan(x)].to(torch.bfloat16))
