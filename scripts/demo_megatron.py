@@ -16,8 +16,10 @@ defaults to ``--export-cast fair``). Data: reasoning-gym chain-sum problems, los
 tokens, as in the DeepSpeed job (same seed: same sequences per step).
 
 After each step rank 0 gets the full fp32 master, gathered over the TP ranks with Megatron's own
-checkpoint metadata (``megatron_patches.gather``; keys = Fair Cast's canonical names), exports it three ways and reports the
-same table, ``telemetry.csv`` and ``telemetry.png`` (``fair_demo_common.py``), and checks that the
+checkpoint metadata (``megatron_patches.gather``; keys = Fair Cast's canonical names), exports it once per
+method (nearest, stochastic, error_feedback, dithered) and reports the
+same table, ``telemetry.csv`` and ``telemetry.png`` (``fair_demo_common.py``; the delta-payload
+column is the framework-free ``faircast_dist.delta.diff`` of the gathered bf16 models), and checks that the
 trainer's own bf16 model (gathered the same way) is bit-identical to the side-by-side export of the
 trainer's method. The log-prob gap is measured with the Hugging Face model on the master / served
 weights mapped back (padding dropped); KV-group padding is exported but not counted.

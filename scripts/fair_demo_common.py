@@ -1,6 +1,8 @@
 """What both main jobs share (``demo_deepspeed.py``, ``demo_megatron.py``): the model and data,
-and the side-by-side drift telemetry of the nearest / stochastic / error_feedback exports of one
-gathered fp32 master trajectory, with its summary table, ``telemetry.csv`` and ``telemetry.png``.
+and the side-by-side drift telemetry of the nearest / stochastic / error_feedback / dithered exports
+of one gathered fp32 master trajectory, with its summary table, ``telemetry.csv`` and
+``telemetry.png``; per method also the payload of a delta weight sync (int32 index + bf16 value
+per changed element, :mod:`faircast_dist.delta`) as a % of a full bf16 sync.
 
 Model-agnostic: :class:`Exports` works on any ``{name: full fp32 master tensor}`` dict whose names
 are the canonical parameter names of the trainer (the names the trainer's Fair Cast keys its
@@ -18,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-METHODS = ("nearest", "stochastic", "error_feedback")
+METHODS = ("nearest", "stochastic", "error_feedback", "dithered")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -92,13 +94,13 @@ def collate(pairs):
 
 # ----------------------------------------------------------------------------- telemetry
 class Exports:
-    """Rank 0: the three side-by-side exports of the gathered master, with their telemetry.
+    """Rank 0: the side-by-side exports (one per :data:`METHODS`) of the gathered master, with their telemetry.
 
     Args:
         names: canonical parameter names (the trainer's), in a fixed order.
         master0: ``{name: float32 tensor}``, the full master before the first step. Step 0 serves
             ``master0`` cast to nearest (both trainers start with masters on the bf16 grid).
-        seed: export-cast seed (int64) of the stochastic exporter.
+        seed: export-cast seed (int64) of the stochastic and dithered exporters.
         max_lag: K, past master samples kept for ``lag_steps``.
         lag_sample: elements sampled for ``lag_steps`` and ``gap_ulps``.
         eval_model: the ``torch.nn.Module`` whose params ``to_eval`` fills, for the log-prob gap;
@@ -158,21 +160,18 @@ class Exports:
                                          (self.eval_ids,))
         return out.logits[:, :-1], self.eval_labels[:, 1:]
 
-    def _changed(self, name, before, after) -> int:
-        diff = before.view(torch.int16) != after.view(torch.int16)
-        if name in self.counted:
-            diff &= self.counted[name]
-        return int(diff.sum())
-
     @torch.no_grad()
     def step(self, master) -> dict:
-        """Export ``master`` (``{name: float32}``) three ways; one telemetry row per method.
+        """Export ``master`` (``{name: float32}``) once per method; one telemetry row per method.
 
         Returns:
             ``{method: {changed_pct (% of counted elements whose bf16 bits changed since the
-            last step), lag_steps (int), gap_ulps (mean |served - master| in bf16 ulps),
-            logp_gap (nats/token), kl (nats/token), export_ms (wall ms of the export)}}``.
+            last step), delta_pct (bytes of the delta sync of those changes, an int32 index and
+            a bf16 value each, as a % of a full sync's 2 bytes per counted element), lag_steps
+            (int), gap_ulps (mean |served - master| in bf16 ulps), logp_gap (nats/token), kl
+            (nats/token), export_ms (wall ms of the export)}}``.
         """
+        from faircast_dist.delta import diff, payload_bytes
         from faircast_dist.telemetry import gap_ulps, logprob_gap
         master_sample = self.sample(master)
         master_logits, targets = self.logits(master)
@@ -183,10 +182,13 @@ class Exports:
             served = {n: caster.cast(n, master[n]) for n in self.names}
             caster.advance()
             export_ms = 1e3 * (time.perf_counter() - t0)
-            changed = sum(self._changed(n, self.served[m][n], served[n]) for n in self.names)
+            deltas = [(n, *diff(self.served[m][n], served[n])) for n in self.names]
+            changed = sum(int(self.counted[n].reshape(-1)[index.long()].sum()) if n in self.counted else len(index)
+                          for n, index, _ in deltas)
             served_sample = self.sample(served)
             logp_gap, kl = logprob_gap(master_logits, self.logits(served)[0], targets.clamp_min(0), mask)
             rows[m] = dict(changed_pct=100 * changed / self.numel,
+                           delta_pct=100 * payload_bytes(deltas) / (2 * self.numel),
                            lag_steps=self.lag[m].update(master_sample, served_sample),
                            gap_ulps=gap_ulps(served_sample, master_sample), logp_gap=logp_gap, kl=kl,
                            export_ms=export_ms)
@@ -214,18 +216,18 @@ def summarize(records, trainer_cast, out_dir, trainer_matches: bool, notes: tupl
     import matplotlib.pyplot as plt
     os.makedirs(out_dir, exist_ok=True)
     csv_path, png_path = os.path.join(out_dir, "telemetry.csv"), os.path.join(out_dir, "telemetry.png")
-    fields = ["step", "method", "loss", "changed_pct", "lag_steps", "gap_ulps", "logp_gap", "kl", "export_ms"]
+    fields = ["step", "method", "loss", "changed_pct", "delta_pct", "lag_steps", "gap_ulps", "logp_gap", "kl", "export_ms"]
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(records)
     print(f"\nSummary over {records[-1]['step']} steps (mean per step; lag = last step):")
-    head = f"{'method':<16}{'changed %':>11}{'lag steps':>11}{'gap ulps':>10}{'|dlogp|/tok':>13}{'KL/tok':>11}{'export ms':>11}"
+    head = f"{'method':<16}{'changed %':>11}{'delta % full':>14}{'lag steps':>11}{'gap ulps':>10}{'|dlogp|/tok':>13}{'KL/tok':>11}{'export ms':>11}"
     print(head + "\n" + "-" * len(head))
     for m in METHODS:
         rs = [r for r in records if r["method"] == m]
         mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-        print(f"{m:<16}{mean('changed_pct'):>11.3f}{rs[-1]['lag_steps']:>11d}{mean('gap_ulps'):>10.3f}"
+        print(f"{m:<16}{mean('changed_pct'):>11.3f}{mean('delta_pct'):>14.3f}{rs[-1]['lag_steps']:>11d}{mean('gap_ulps'):>10.3f}"
               f"{mean('logp_gap'):>13.2e}{mean('kl'):>11.2e}{mean('export_ms'):>11.1f}")
     print(f"The trainer's own bf16 weights used: {trainer_cast}")
     print(f"Trainer's bf16 model bit-identical to the side-by-side {trainer_cast} export at every step: "

@@ -86,8 +86,9 @@ def _worker(rank, world_size, port, opts, out_path):
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the JIT shm op build
     import deepspeed_hooks
     from deepspeed_hooks.export import RESIDUAL_KEY, load_full
-    from deepspeed_hooks.served import served_weights
+    from deepspeed_hooks.served import served_deltas, served_weights
     from faircast_dist import FairCaster
+    from faircast_dist.delta import DeltaTracker
 
     cfg = ds_config(world_size, opts["path"], opts["export_cast"], opts["lr"], universal=opts["load_tag"] is not None)
     cfg["bf16"]["enabled"] = opts["bf16"]
@@ -120,16 +121,35 @@ def _worker(rank, world_size, port, opts, out_path):
             return bf16, {n: deepspeed.utils.safe_get_full_fp32_param(p).reshape(-1) for n, p in params}, {}
         return bf16, export.gather(), export.gather(RESIDUAL_KEY)
 
-    if opts["preset"]:
-        # one step at lr 0 creates the optimizer state; then load the preset state and export it
+    def zero_lr_step():  # exports the master unchanged (lr 0: AdamW leaves it bit for bit)
         engine.backward(torch.nn.functional.mse_loss(engine(batch(0)[0].to(torch.bfloat16)).float(), batch(0)[1]))
         engine.step()
+
+    if opts["preset"]:
+        # one step at lr 0 creates the optimizer state; then, for each method in turn (one launch
+        # serves them all: the caster is swapped, the export machinery reads it at every cast),
+        # load the preset state at export step 1 and export it twice
+        zero_lr_step()
         numel = {n: p.ds_numel if hasattr(p, "ds_numel") else p.numel() for n, p in engine.module.named_parameters()}
         master, residual = preset_state(numel)
-        load_full(export, master)
-        if export.caster.method == "error_feedback":
-            load_full(export, residual, RESIDUAL_KEY)
+        record["preset"] = {}
+        for config in opts["preset"]:
+            export.caster = engine.optimizer.export_caster = FairCaster(config)
+            export.caster.step = 1
+            load_full(export, master)
+            if export.caster.method == "error_feedback":
+                load_full(export, residual, RESIDUAL_KEY)
+            snaps = record["preset"][export.caster.method] = []
+            for _ in range(2):
+                zero_lr_step()
+                snaps.append(snapshot()[0])
+    tracker = DeltaTracker()
+
+    def deltas():  # small buckets so ZeRO-3 gathers several times
+        return [(n, i.clone(), v.clone()) for n, i, v in served_deltas(engine, tracker, bucket_bytes=1024)]
+
     prev = record["start"] = snapshot()
+    record["deltas"] = [deltas()]  # the first call: every element
     for step in range(first, first + opts["steps"]):
         if opts["save_dir"] and step in opts["save_at"]:
             engine.save_checkpoint(opts["save_dir"])
@@ -148,7 +168,9 @@ def _worker(rank, world_size, port, opts, out_path):
                 record["mismatch"] += int((q.view(torch.int16) != bf16[n].view(torch.int16)).sum())
                 record["rtn_differs"] += int((master[n].to(torch.bfloat16) != bf16[n]).sum())
         record["bf16"].append(bf16), record["master"].append(master), record["residual"].append(residual)
+        record["deltas"].append(deltas())
         prev = (bf16, master, residual)
+    record["deltas_again"] = deltas()  # no step since the last call: nothing changed
     if opts["save_dir"]:
         if opts["crash_on_save"] and rank == 1:  # die half-way through writing this rank's file
             def torn_save(obj, f, *args, **kwargs):
@@ -169,10 +191,13 @@ def _worker(rank, world_size, port, opts, out_path):
 
 def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 4, lr: float = 1e-3,
         hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None,
-        load_tag: str | None = None, preset: bool = False, save_at: tuple = (),
+        load_tag: str | None = None, preset: tuple = (), save_at: tuple = (),
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
         zero_extra: dict | None = None) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
+
+    ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
+    preset master (and residual) state from export step 1, into ``record["preset"][method]``.
 
     ``hook``: "initialize" (deepspeed_hooks.initialize), "patch" (patch_deepspeed, then
     deepspeed.initialize) or None (stock deepspeed.initialize).

@@ -7,10 +7,12 @@ import torch
 
 from ds_worker import PATHS, preset_state, run
 from faircast_dist import FairCaster
+from faircast_dist.delta import apply_deltas
 
 SR = {"mode": "fair", "method": "stochastic", "seed": 7}
 EF = {"mode": "fair", "method": "error_feedback"}
-METHODS = {"stochastic": SR, "error_feedback": EF}
+DITHER = {"mode": "fair", "method": "dithered", "seed": 7}
+METHODS = {"stochastic": SR, "error_feedback": EF, "dithered": DITHER}
 STEPS = 5
 
 
@@ -29,8 +31,22 @@ def assert_same(a: dict, b: dict):
         assert torch.equal(bits(a[n]), bits(b[n])), n
 
 
+def assert_deltas_rebuild(record):
+    """served_deltas: the first call's deltas build the starting model on an empty receiver, and
+    each step's deltas then turn it into that step's served model, bit for bit; a call with no
+    step in between yields nothing."""
+    receiver = {n: torch.zeros_like(t) for n, t in record["start"][0].items()}
+    apply_deltas(receiver, record["deltas"][0])
+    assert_same(receiver, record["start"][0])
+    assert len(record["deltas"]) == len(record["bf16"]) + 1
+    for served, deltas in zip(record["bf16"], record["deltas"][1:]):
+        apply_deltas(receiver, deltas)
+        assert_same(receiver, served)
+    assert [len(index) for _, index, _ in record["deltas_again"]] == [0] * len(receiver)
+
+
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
+@pytest.mark.parametrize("method", METHODS)
 def test_every_master_copy_is_fair(path, method):
     rank0, rank1 = trained(2, path, method)
     assert rank0["method"] == method and rank0["export_step"] == STEPS
@@ -41,40 +57,55 @@ def test_every_master_copy_is_fair(path, method):
     for a, b in zip(rank0["bf16"], rank1["bf16"]):  # every rank sees the same model (replicas agree)
         assert_same(a, b)
     assert_same(rank0["served_api"], rank0["bf16"][-1])  # the export API yields the served model
+    assert_deltas_rebuild(rank0)
+    for a, b in zip(rank0["deltas"], rank1["deltas"]):  # every rank yields the same deltas
+        assert [n for n, _, _ in a] == [n for n, _, _ in b]
+        assert all(torch.equal(i, j) and torch.equal(bits(v), bits(w)) for (_, i, v), (_, j, w) in zip(a, b))
 
 
 LAYOUTS = [("stage0", 1), ("zero2", 1), ("zero1", 2), ("bf16_optimizer", 2), ("zero3", 2), ("zero2", 4), ("zero3", 4)]
 
 
-@pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
+@functools.lru_cache(maxsize=None)
+def preset_exports(path, world):
+    return run(world, path=path, export_cast=SR, steps=0, lr=0.0, preset=tuple(METHODS.values()))[0]["preset"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_layout_invariance_one_state_many_layouts(method):
     """One training state (masters, residuals, step) loaded into stage 0/1/2/3, BF16_Optimizer and
-    DP 1/2/4 exports bitwise the same bf16 model — the single-process reference."""
-    exports = {}
-    for path, world in LAYOUTS:
-        record = run(world, path=path, export_cast=METHODS[method], steps=1, lr=0.0, preset=True)[0]
-        assert record["export_step"] == 2 and record["mismatch"] == 0
-        exports[(path, world)] = record["bf16"][-1]
-    numel = {n: t.numel() for n, t in exports[LAYOUTS[0]].items()}
+    DP 1/2/4 exports bitwise the same bf16 model — the single-process reference — twice in a row
+    (one launch per layout exports it with every method)."""
+    exports = {layout: preset_exports(*layout)[method] for layout in LAYOUTS}
+    numel = {n: t.numel() for n, t in exports[LAYOUTS[0]][0].items()}
     master, residual = preset_state(numel)
     ref = FairCaster(METHODS[method])
     ref.step = 1  # the export after the warm-up step
-    expected = {n: ref.cast(n, master[n], residual=residual[n].clone()) for n in numel}
+    expected = []
+    for _ in range(2):
+        expected.append({n: ref.cast(n, master[n], residual=residual[n]) for n in numel})
+        ref.advance()
     for layout, served in exports.items():
-        assert_same(served, expected)
+        for k in range(2):
+            assert_same(served[k], expected[k])
+    # an unchanged master: dithered rounding serves the same bits again, stochastic rounding redraws
+    first, second = (torch.cat(list(e.values())) for e in expected)
+    assert torch.equal(bits(first), bits(second)) == (method == "dithered")
 
 
 @pytest.mark.parametrize("method", ["stochastic", "error_feedback"])
 def test_trajectory_dp1_equals_dp2_zero1_zero2(method):
     ref = trained(1, "zero2", method)[0]
     for other in (trained(2, "zero2", method)[0], trained(2, "zero1", method)[0]):
+        for a, b in zip(ref["deltas"], other["deltas"]):  # global indices: the same deltas in any layout
+            assert [(n, i.tolist(), bits(v).tolist()) for n, i, v in a] == [(n, i.tolist(), bits(v).tolist()) for n, i, v in b]
         for step in range(STEPS):
             assert_same(ref["bf16"][step], other["bf16"][step])
             assert_same(ref["master"][step], other["master"][step])
             assert_same(ref["residual"][step], other["residual"][step])
 
 
-RESUME = [(p, "error_feedback") for p in PATHS] + [("stage0", "stochastic"), ("zero3", "stochastic")]
+RESUME = [(p, "error_feedback") for p in PATHS] + [("stage0", "stochastic"), ("zero3", "stochastic"), ("zero3", "dithered")]
 
 
 @pytest.mark.parametrize("path,method", RESUME)
@@ -94,6 +125,7 @@ def test_resume_equals_uninterrupted(path, method, tmp_path):
 
 def test_off_is_stock_deepspeed():
     stock = run(2, export_cast=None, hook=None)[0]
+    assert_deltas_rebuild(stock)  # delta export of a stock (round-to-nearest) engine
     for variant in (run(2, export_cast={"mode": "nearest", "method": "error_feedback"})[0],
                     run(2, export_cast=None)[0]):
         assert variant["method"] is None

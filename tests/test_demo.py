@@ -24,8 +24,10 @@ def test_demo_runs_and_trainer_matches_its_side_by_side_export(trainer_cast, tmp
     with open(tmp_path / "telemetry.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["step"], r["method"]) for r in rows] == [
-        (str(s), m) for s in (1, 2, 3) for m in ("nearest", "stochastic", "error_feedback")]
+        (str(s), m) for s in (1, 2, 3) for m in ("nearest", "stochastic", "error_feedback", "dithered")]
     assert all(float(r["gap_ulps"]) >= 0 and 0 <= float(r["changed_pct"]) <= 100 for r in rows)
+    # delta payload: an int32 index and a bf16 value (6 bytes) per changed element vs 2 bytes per element
+    assert all(float(r["delta_pct"]) == pytest.approx(3 * float(r["changed_pct"]), rel=1e-9) for r in rows)
     assert os.path.getsize(tmp_path / "telemetry.png") > 10_000
-    for m in ("nearest", "stochastic", "error_feedback"):
+    for m in ("nearest", "stochastic", "error_feedback", "dithered"):
         assert any(line.startswith(m) for line in out.splitlines())

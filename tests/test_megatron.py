@@ -23,7 +23,8 @@ from megatron_worker import run
 
 SR = {"mode": "fair", "method": "stochastic", "seed": 7}
 EF = {"mode": "fair", "method": "error-feedback"}
-METHODS = {"stochastic": SR, "error_feedback": EF}
+DITHER = {"mode": "fair", "method": "dithered", "seed": 7}
+METHODS = {"stochastic": SR, "error_feedback": EF, "dithered": DITHER}
 SAVE_AFTER, STEPS = 2, 4  # resume runs: save after 2 steps, compare steps 3 and 4
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
@@ -128,7 +129,7 @@ def test_one_master_state_exports_the_same_model_in_every_layout(layout, method)
 
 @pytest.mark.parametrize("layout", [params(l) for l in LAYOUTS])
 def test_every_served_element_is_the_reference_cast(layout):
-    for name in ("stochastic_fixed", "error_feedback_fixed", "stochastic_train", "error_feedback_train"):
+    for name in [f"{m}_{job}" for m in METHODS for job in ("fixed", "train")]:
         record = layout_run(layout)[name]
         assert record["installed"], name
         assert record["mismatch"] == 0, f"{name}: {record['mismatch']} served elements differ from the reference"
@@ -136,10 +137,13 @@ def test_every_served_element_is_the_reference_cast(layout):
         assert record["replica_mismatch"] == 0, f"{name}: replicas disagree"
 
 
-def test_stochastic_rounding_draws_fresh_bits_each_export():
-    snaps = layout_run(LAYOUTS[0])["stochastic_fixed"]["snaps"]  # same master, three exports
+def test_stochastic_rounding_draws_fresh_bits_each_export_dithered_rounding_does_not():
     key = "decoder.layers.mlp.linear_fc1.weight"
+    snaps = layout_run(LAYOUTS[0])["stochastic_fixed"]["snaps"]  # same master, three exports
     assert not torch.equal(snaps[0]["served"][key], snaps[1]["served"][key])
+    snaps = layout_run(LAYOUTS[0])["dithered_fixed"]["snaps"]  # no flip-flop: the same bits every export
+    for snap in snaps[1:]:
+        assert_same(snaps[0]["served"], snap["served"], "dithered, unchanged master")
 
 
 # -- off means off, activation, misuse -------------------------------------------------------------
