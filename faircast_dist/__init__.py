@@ -2,7 +2,7 @@
 
 Modules: :mod:`.philox` (counter-based RNG), :mod:`.rounding` (the casts), :mod:`.shards`
 (global element indices), :mod:`.caster` (config + step + residuals), :mod:`.config`,
-:mod:`.telemetry`. Imports nothing from DeepSpeed or Megatron.
+:mod:`.telemetry`, :mod:`.delta` (delta export). Imports nothing from DeepSpeed or Megatron.
 """
 from faircast_dist.caster import FairCaster
 from faircast_dist.config import ExportCastConfig
