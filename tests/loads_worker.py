@@ -3,7 +3,8 @@
 ``run(path)`` spawns 2 gloo ranks that train a model with a frozen param, a tied weight and 3
 param groups of distinct lr/weight decay under error feedback, save at steps 3 and 5, convert
 step 3 to a universal checkpoint, then build a fresh engine (another init seed, other lr/wd) for
-each entry of :data:`VARIANTS`, load, record what it serves, and take one step. Rank 0 returns
+each entry of :data:`VARIANTS`, load, record what it serves, and take one step. Variants with an
+explicit tag load while ``latest`` is moved away, so no file of another tag can be read. Rank 0 returns
 ``{"saved": {tag: state at save}, "variants": {name: state after load, or the error}, "cli":
 {tag: read_checkpoint}}``.
 """
@@ -125,7 +126,12 @@ def _worker(rank, world_size, port, path, folder, out_path):
             universal_error = f"{type(err).__name__}: {err}"
         record["cli"] = {tag: {n: t.reshape(-1) for n, t in read_checkpoint(folder, tag).items()} for tag in TAGS}
     torch.distributed.barrier()
+    latest = os.path.join(folder, "latest")
     for name, (kwargs, _, universal) in VARIANTS.items():
+        hide_latest = "tag" in kwargs  # nothing of another tag can be read: there is no `latest`
+        if hide_latest and rank == 0:
+            os.replace(latest, latest + ".hidden")
+        torch.distributed.barrier()
         engine = engine_for(1, [LOAD_LR] * 3, universal)
         try:
             engine.load_checkpoint(folder, **kwargs)
@@ -135,6 +141,9 @@ def _worker(rank, world_size, port, path, folder, out_path):
             loaded = {"error": f"{type(err).__name__}: {err}"}
         engine.destroy()
         record["variants"][name] = loaded
+        torch.distributed.barrier()
+        if hide_latest and rank == 0:
+            os.replace(latest + ".hidden", latest)
     record["universal_error"] = universal_error
     torch.save(record, f"{out_path}.{rank}.tmp")
     os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}")
