@@ -142,8 +142,8 @@ def _load_serves_what_was_served(engine) -> None:
     @functools.wraps(load)
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        universal = bool(engine.load_universal_checkpoint())
-        checkpoint.refuse_unsupported_load(engine, universal)
+        universal, optimizer_states = bool(engine.load_universal_checkpoint()), load_optimizer_states and not load_module_only
+        checkpoint.refuse_unsupported_load(engine, universal, optimizer_states)
         tag = checkpoint.resolve_tag(load_dir, tag, universal)
         with checkpoint.zero3_fp32_reads_tag(tag):
             path, client_state = load(load_dir, tag=tag, load_module_strict=load_module_strict,
@@ -152,9 +152,7 @@ def _load_serves_what_was_served(engine) -> None:
                                       load_module_only=load_module_only, custom_load_fn=custom_load_fn)
         if path is not None:
             meta = client_state.pop(checkpoint.CLIENT_KEY, None)
-            checkpoint.finish_load(engine, os.path.join(load_dir, tag), meta,
-                                   optimizer_loaded=load_optimizer_states and not load_module_only,
-                                   universal=universal)
+            checkpoint.finish_load(engine, os.path.join(load_dir, tag), meta, optimizer_states, universal)
         return path, client_state
 
     engine.load_checkpoint = load_checkpoint

@@ -41,7 +41,7 @@ import sys
 import torch
 from deepspeed.utils import logger
 
-from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STEP_KEY
+from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY
 
 UNIVERSAL_STATE_FILE = "export_cast.pt"
 CLIENT_KEY = "export_cast"  # in each model-states file (save_checkpoint's client_state): {"step": int}
@@ -206,19 +206,32 @@ def resolve_tag(load_dir: str, tag: str | None, universal: bool) -> str | None:
         return f.read().strip()
 
 
-def refuse_unsupported_load(engine, universal: bool) -> None:
+def refuse_unsupported_load(engine, universal: bool, optimizer_states: bool) -> None:
     """Raise before loading anything when a load cannot give back what Fair Cast served.
+
+    Args:
+        universal: a universal-checkpoint load.
+        optimizer_states: ``load_optimizer_states and not load_module_only``.
 
     Raises:
         NotImplementedError: ``"checkpoint": {"load_universal": true}`` on ZeRO stage 0
             (FP16_Optimizer / FP16_UnfusedOptimizer): DeepSpeed converts and loads universal
-            checkpoints only for ZeRO-1/2/3 and BF16_Optimizer (stage 0 has no loader for them).
+            checkpoints only for ZeRO-1/2/3 and BF16_Optimizer (stage 0 has no loader for them);
+            or a universal load with ``load_module_only=True`` / ``load_optimizer_states=False``
+            on ZeRO-1/2 or BF16_Optimizer, whose universal loader ignores both flags and loads
+            the optimizer state anyway (DeepSpeed 0.19.8).
     """
     if universal and not engine.zero_optimization():
         raise NotImplementedError(
             f'"checkpoint": {{"load_universal": true}} with ZeRO stage 0 ({type(engine.optimizer).__name__}) is not '
-            f"supported: DeepSpeed has universal checkpoints only for ZeRO-1/2/3 and BF16_Optimizer; load the stage-0 "
-            f"checkpoint as saved (every rank holds the full state, so it loads at any DP size)")
+            f"supported: DeepSpeed has universal checkpoints only for ZeRO-1/2/3 and BF16_Optimizer (its converter "
+            f"and loaders need ZeRO optimizer files); load the stage-0 checkpoint as saved")
+    if universal and not optimizer_states and not engine.zero_optimization_partition_weights():
+        raise NotImplementedError(
+            f'"checkpoint": {{"load_universal": true}} with load_module_only=True or load_optimizer_states=False on '
+            f"{type(engine.optimizer).__name__} is not supported: DeepSpeed's ZeRO-1/2 and BF16_Optimizer universal "
+            f"loader ignores both flags and loads the optimizer state anyway; load the universal checkpoint whole, "
+            f"or the original checkpoint with the flag")
 
 
 @contextlib.contextmanager
@@ -316,15 +329,19 @@ def finish_load(engine, tag_dir: str, meta: dict | None, optimizer_loaded: bool,
         served = _universal_served(tag_dir, wanted) if wanted else None
         step = torch.load(state_file, weights_only=False)["step"] if fair else None
     else:
-        served = None if optimizer_loaded else read_served(tag_dir)
-        step = (meta or {}).get("step")
+        served, step = None, (meta or {}).get("step")
+        try:
+            served = None if optimizer_loaded else read_served(tag_dir)
+        except ValueError:  # ZeRO-3 without Fair Cast state: it served DeepSpeed's nearest, as loaded
+            if meta is not None:
+                raise
     if served is not None:
         write_served(engine, served)
     if optimizer_loaded:
         return  # masters, residuals and the export step came with the optimizer state
     engine.optimizer.refresh_fp32_params()  # masters := the served bf16 values (each rank its partition)
-    for hp, _ in export.groups():
-        for key in (RESIDUAL_KEY, SERVED_KEY):
+    for hp, _ in export.groups():  # what a universal loader put there; an empty state lets Adam start afresh
+        for key in STATE_KEYS:
             export.state(hp).pop(key, None)
     if step is None:
         logger.warning(f"export cast: {tag_dir} has no export step (written without Fair Cast?): it starts at 0")

@@ -31,6 +31,7 @@ VARIANTS = {
     "module_only": ({"tag": "global_step3", "load_module_only": True}, "global_step3", False),
     "no_lr_scheduler_states": ({"load_lr_scheduler_states": False}, "global_step5", False),
     "universal": ({}, "global_step3", True),
+    "universal_module_only": ({"load_module_only": True}, "global_step3", True),
 }
 #: the variants that load the optimizer state (masters, residuals, per-group hyperparameters)
 LOADS_OPTIMIZER = ("normal", "explicit_tag", "no_lr_scheduler_states", "universal")

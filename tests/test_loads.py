@@ -1,7 +1,7 @@
 """Every DeepSpeed load path serves what Fair Cast served, and nothing silently changes on resume
 (issue 10): {stage 0, BF16_Optimizer, ZeRO-1, 2, 3, Offload 2/3} x {normal load,
 ``load_optimizer_states=False``, ``load_module_only=True``, ``load_lr_scheduler_states=False``,
-explicit tag, universal}, on one model with a frozen param, a tied weight and 3 param groups of
+explicit tag, universal, universal + ``load_module_only=True``}, on one model with a frozen param, a tied weight and 3 param groups of
 distinct lr/weight decay (tests/loads_worker.py: one 2-rank launch per path, all loads in it).
 
 Each load either gives back the bf16 model served at save (every param, frozen ones included),
@@ -20,7 +20,12 @@ from loads_worker import LOAD_LR, LOADS_OPTIMIZER, TAGS, VARIANTS, run
 PATHS = ["stage0", "bf16_optimizer", "zero1", "zero2", "zero3", "offload2", "offload3"]
 SLOW = {"zero3", "offload3", "offload2"}
 #: (path, variant) -> the error it must raise
-REFUSED = {("stage0", "universal"): r'"load_universal": true\} with ZeRO stage 0 \(FP16_UnfusedOptimizer\) is not supported'}
+REFUSED = {("stage0", "universal"): r'"load_universal": true\} with ZeRO stage 0 \(FP16_UnfusedOptimizer\) is not supported',
+           ("stage0", "universal_module_only"): "with ZeRO stage 0",
+           **{(p, "universal_module_only"): r'"load_universal": true\} with load_module_only=True or load_optimizer_states'
+              rf"=False on {wrapper} is not supported: DeepSpeed's ZeRO-1/2 and BF16_Optimizer universal loader ignores"
+              for p, wrapper in [("bf16_optimizer", "BF16_Optimizer"), ("zero1", "DeepSpeedZeroOptimizer"),
+                                 ("zero2", "DeepSpeedZeroOptimizer"), ("offload2", "DeepSpeedZeroOptimizer")]}}
 
 
 @functools.lru_cache(maxsize=None)
