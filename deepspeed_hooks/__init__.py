@@ -142,7 +142,8 @@ def _load_serves_what_was_served(engine) -> None:
     @functools.wraps(load)
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        universal, optimizer_states = bool(engine.load_universal_checkpoint()), load_optimizer_states and not load_module_only
+        universal = bool(engine.load_universal_checkpoint())
+        optimizer_states = load_optimizer_states and not load_module_only  # what DeepSpeed loads the optimizer for
         checkpoint.refuse_unsupported_load(engine, universal, optimizer_states)
         tag = checkpoint.resolve_tag(load_dir, tag, universal)
         with checkpoint.zero3_fp32_reads_tag(tag):

@@ -118,6 +118,10 @@ def _worker(rank, world_size, port, path, folder, out_path):
         if step + 1 in (3, 5):
             engine.save_checkpoint(folder)
             record["saved"][f"global_step{step + 1}"] = state(engine)
+    try:  # Fair Cast's key in the model-states file is refused before anything is written
+        engine.save_checkpoint(folder, tag="reserved", client_state={"export_cast": "mine"})
+    except ValueError as err:
+        record["reserved_key_error"] = str(err), os.path.exists(os.path.join(folder, "reserved"))
     engine.destroy()
     universal_error = None
     if rank == 0:

@@ -74,3 +74,9 @@ def test_served_cli_writes_what_served_weights_yielded(path):
     for tag in TAGS:
         assert_same({n: t.reshape(-1) for n, t in record["cli"][tag].items()}, record["saved"][tag]["served"])
     assert {"inp.weight", "inp.bias"} <= set(record["cli"][TAGS[0]])  # the frozen ones too
+
+
+def test_fair_casts_client_state_key_is_reserved():
+    record = launched("zero1")
+    message, written = record["reserved_key_error"]
+    assert 'client_state key "export_cast" is reserved' in message and not written
