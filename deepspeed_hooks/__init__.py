@@ -60,6 +60,7 @@ def install(engine) -> FairCaster | None:
     caster = FairCaster(config)
     export = _adapter(engine.optimizer).attach(engine.optimizer, caster, engine.param_names)
     _commit_after_all_ranks(engine)
+    _load_serves_what_was_served(engine)
     if engine.monitor.enabled:
         _report_drift(engine, export)
     logger.info(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) "
@@ -93,12 +94,22 @@ def _commit_after_all_ranks(engine) -> None:
     with ``save_latest=False``, all ranks meet at a barrier, and rank 0 then replaces ``latest``
     atomically (write a temporary file, ``os.replace``). A crash before that leaves the previous
     checkpoint as ``latest``.
+
+    The export step is also written into the model-states file (``client_state["export_cast"]``),
+    so that loads without optimizer state continue it.
+
+    Raises:
+        ValueError: ``client_state`` has the key ``"export_cast"`` (Fair Cast's own).
     """
+    from deepspeed_hooks.checkpoint import CLIENT_KEY
     save = engine.save_checkpoint
 
     @functools.wraps(save)
     def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006 (DeepSpeed's signature)
+        if CLIENT_KEY in client_state:
+            raise ValueError(f'save_checkpoint: client_state key "{CLIENT_KEY}" is reserved for Fair Cast\'s state')
         tag = tag if tag is not None else f"global_step{engine.global_steps}"
+        client_state = {**client_state, CLIENT_KEY: {"step": engine.optimizer.export_caster.step}}
         result = save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
         dist.barrier()
         if save_latest and dist.get_rank() == 0:
@@ -110,6 +121,42 @@ def _commit_after_all_ranks(engine) -> None:
         return result
 
     engine.save_checkpoint = save_checkpoint
+
+
+def _load_serves_what_was_served(engine) -> None:
+    """Make ``load_checkpoint`` give back the served bf16 model, the export step, the residuals and
+    the per-group hyperparameters of the checkpoint, whatever the load flags (or refuse).
+
+    Same signature and return value as DeepSpeed's. The tag is resolved once (``latest`` /
+    ``latest_universal``), so every file read is of that tag; then
+    :func:`deepspeed_hooks.checkpoint.finish_load` repairs what DeepSpeed leaves otherwise (see
+    there). ``client_state`` comes back without Fair Cast's ``"export_cast"`` key.
+
+    Raises:
+        NotImplementedError: a combination that cannot serve what was served (see
+            :func:`deepspeed_hooks.checkpoint.refuse_unsupported_load`).
+    """
+    from deepspeed_hooks import checkpoint
+    load = engine.load_checkpoint
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        universal = bool(engine.load_universal_checkpoint())
+        optimizer_states = load_optimizer_states and not load_module_only  # what DeepSpeed loads the optimizer for
+        checkpoint.refuse_unsupported_load(engine, universal, optimizer_states)
+        tag = checkpoint.resolve_tag(load_dir, tag, universal)
+        with checkpoint.zero3_fp32_reads_tag(tag):
+            path, client_state = load(load_dir, tag=tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states,
+                                      load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        if path is not None:
+            meta = client_state.pop(checkpoint.CLIENT_KEY, None)
+            checkpoint.finish_load(engine, os.path.join(load_dir, tag), meta, optimizer_states, universal)
+        return path, client_state
+
+    engine.load_checkpoint = load_checkpoint
 
 
 def _report_drift(engine, export) -> None:

@@ -8,12 +8,29 @@ DeepSpeed's ``ds_to_universal`` extracts only ``fp32``, ``exp_avg``, ``exp_avg_s
 which runs DeepSpeed's converter, then adds for every param
 ``zero/<name>/export_cast_residual.pt`` and ``zero/<name>/export_cast_served.pt`` (``{"param":
 full tensor}``, the layout of DeepSpeed's own files) and ``zero/export_cast.pt`` (``{"step": int,
-"config": dict}``). Loading it with ``"checkpoint": {"load_universal": true}`` at any DP size
-(ZeRO-1/2, BF16_Optimizer, ZeRO-3) gives each element its own residual and served value back.
+"config": dict}``); frozen params (which DeepSpeed's converter drops) get their served value too.
+Loading it with ``"checkpoint": {"load_universal": true}`` at any DP size (ZeRO-1/2,
+BF16_Optimizer, ZeRO-3) gives each element its own residual and served value back.
+
+:func:`finish_load` runs after every ``engine.load_checkpoint`` (wrapped by
+:func:`deepspeed_hooks.install`) and makes each load flag serve what was served at save:
+
+* optimizer state loaded (the default, ``load_lr_scheduler_states=False``, an explicit tag,
+  universal): masters, residuals, export step and per-group hyperparameters come from the optimizer
+  state (:meth:`OptimizerExport.after_load`); frozen params of a universal checkpoint and the
+  per-group hyperparameters of a ZeRO-3 universal load (DeepSpeed gives every group group 0's)
+  are put back here.
+* no optimizer state (``load_optimizer_states=False``, ``load_module_only=True``): the bf16 model
+  gets the served values (ZeRO-3 would re-round the fp32 master to nearest), the fp32 masters
+  are set to them (DeepSpeed's rule on ZeRO-1/2: masters from the bf16 weights), residuals start
+  at zero (exact: the master is its served value) and the export step continues from the one
+  saved in the model-states file (``client_state["export_cast"]``, written by the save wrapper).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import math
 import os
 import re
@@ -22,10 +39,12 @@ import subprocess
 import sys
 
 import torch
+from deepspeed.utils import logger
 
-from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STEP_KEY
+from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY
 
 UNIVERSAL_STATE_FILE = "export_cast.pt"
+CLIENT_KEY = "export_cast"  # in each model-states file (save_checkpoint's client_state): {"step": int}
 
 
 def _load(path):
@@ -89,19 +108,56 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
     return out, meta
 
 
+def read_served(tag_dir: str) -> dict[str, torch.Tensor]:
+    """The served bf16 model saved in one checkpoint tag: ``{name: bf16 tensor of the param's shape}``.
+
+    The names :func:`deepspeed_hooks.served.served_weights` yields: every param of the module,
+    frozen ones included, tied weights once, no buffers.
+
+    Raises:
+        FileNotFoundError: no model-states file in ``tag_dir``.
+        ValueError: a ZeRO-3 checkpoint written without Fair Cast (it stores no bf16 weights).
+    """
+    dense = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    if os.path.exists(dense):  # stage 0/1/2: the saved module's params are the served bf16 model
+        sd = _load(dense)
+        # the module minus its buffers, shared storages (tied weights) once, in module order
+        buffers, seen, names = set(sd.get("buffer_names") or ()), set(), []
+        for n, t in sd["module"].items():
+            if n not in buffers and (t.untyped_storage().data_ptr(), t.storage_offset()) not in seen:
+                seen.add((t.untyped_storage().data_ptr(), t.storage_offset()))
+                names.append(n)
+        return {n: sd["module"][n].to(torch.bfloat16).clone() for n in names}
+    served, _ = read_state(tag_dir, SERVED_KEY)  # ZeRO-3: rebuild from the per-rank served partitions
+    if not served:
+        raise ValueError(f"{tag_dir} has no '{SERVED_KEY}' in its optimizer state: a ZeRO-3 checkpoint stores no "
+                         f"bf16 weights unless it was written with Fair Cast")
+    # frozen params: no optimizer state; each rank's model-states file holds its partition of them
+    models = [_load(f) for f in _rank_files(tag_dir, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")]
+    for name, shape in (models[0].get("frozen_param_shapes") or {}).items():
+        full = torch.cat([m["frozen_param_fragments"][name].reshape(-1) for m in models])
+        served[name] = full[:math.prod(shape)].view(shape).to(torch.bfloat16).clone()
+    return served
+
+
 def to_universal(tag_dir: str, out_dir: str) -> None:
     """Convert a checkpoint tag to DeepSpeed's universal format, keeping the Fair Cast state.
 
     The conversion is written to ``out_dir + ".partial"`` and renamed when complete.
 
     Raises:
-        ValueError: ``tag_dir`` has no export-cast state (written without Fair Cast).
+        ValueError: ``tag_dir`` has no export-cast state (written without Fair Cast), or is a
+            stage-0 checkpoint (DeepSpeed converts only ZeRO optimizer files).
         FileExistsError: ``out_dir`` exists.
         subprocess.CalledProcessError: DeepSpeed's converter failed.
     """
-    served, meta = read_state(tag_dir, SERVED_KEY)
-    if not served:
+    if not _rank_files(tag_dir, r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt"):
+        raise ValueError(f"{tag_dir} has no ZeRO optimizer-state files (a ZeRO stage 0 checkpoint?): DeepSpeed's "
+                         f"universal format is converted from ZeRO-1/2/3 or BF16_Optimizer checkpoints only")
+    trained, meta = read_state(tag_dir, SERVED_KEY)
+    if not trained:
         raise ValueError(f"{tag_dir} has no '{SERVED_KEY}': it was not written with Fair Cast")
+    served = read_served(tag_dir)  # the trained params and the frozen ones
     residual, _ = read_state(tag_dir, RESIDUAL_KEY)
     dense = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     stage3 = not os.path.exists(dense)
@@ -117,6 +173,7 @@ def to_universal(tag_dir: str, out_dir: str) -> None:
     zero = os.path.join(tmp, "zero")
     for key, values in ((SERVED_KEY, served), (RESIDUAL_KEY, residual)):
         for name, tensor in values.items():
+            os.makedirs(os.path.join(zero, name), exist_ok=True)  # a frozen param has no folder yet
             torch.save({"param": tensor}, os.path.join(zero, name, f"{key}.pt"))
     torch.save({"step": meta["step"], "config": config}, os.path.join(zero, UNIVERSAL_STATE_FILE))
     os.replace(tmp, out_dir)  # only a complete conversion appears under the final name
@@ -135,6 +192,162 @@ def read_universal(folder: str, names: list[str]) -> tuple[dict, dict[str, dict[
         if all(os.path.exists(f) for f in files.values()):
             values[key] = {n: torch.load(f, weights_only=False)["param"] for n, f in files.items()}
     return meta, values
+
+
+def resolve_tag(load_dir: str, tag: str | None, universal: bool) -> str | None:
+    """The tag ``engine.load_checkpoint(load_dir, tag)`` loads: ``tag``, else the one named in
+    ``latest`` (``latest_universal`` for a universal load); None when that file is absent."""
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, "latest_universal" if universal else "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def refuse_unsupported_load(engine, universal: bool, optimizer_states: bool) -> None:
+    """Raise before loading anything when a load cannot give back what Fair Cast served.
+
+    Args:
+        universal: a universal-checkpoint load.
+        optimizer_states: ``load_optimizer_states and not load_module_only``.
+
+    Raises:
+        NotImplementedError: ``"checkpoint": {"load_universal": true}`` on ZeRO stage 0
+            (FP16_Optimizer / FP16_UnfusedOptimizer): DeepSpeed converts and loads universal
+            checkpoints only for ZeRO-1/2/3 and BF16_Optimizer (stage 0 has no loader for them);
+            or a universal load with ``load_module_only=True`` / ``load_optimizer_states=False``
+            on ZeRO-1/2 or BF16_Optimizer, whose universal loader ignores both flags and loads
+            the optimizer state anyway (DeepSpeed 0.19.8).
+    """
+    if universal and not engine.zero_optimization():
+        raise NotImplementedError(
+            f'"checkpoint": {{"load_universal": true}} with ZeRO stage 0 ({type(engine.optimizer).__name__}) is not '
+            f"supported: DeepSpeed has universal checkpoints only for ZeRO-1/2/3 and BF16_Optimizer (its converter "
+            f"and loaders need ZeRO optimizer files); load the stage-0 checkpoint as saved")
+    if universal and not optimizer_states and not engine.zero_optimization_partition_weights():
+        raise NotImplementedError(
+            f'"checkpoint": {{"load_universal": true}} with load_module_only=True or load_optimizer_states=False on '
+            f"{type(engine.optimizer).__name__} is not supported: DeepSpeed's ZeRO-1/2 and BF16_Optimizer universal "
+            f"loader ignores both flags and loads the optimizer state anyway; load the universal checkpoint whole, "
+            f"or the original checkpoint with the flag")
+
+
+@contextlib.contextmanager
+def zero3_fp32_reads_tag(tag: str | None):
+    """Make ZeRO-3's ``load_checkpoint(..., load_optimizer_states=False)`` read ``tag``.
+
+    DeepSpeed 0.19.8 (``engine._load_checkpoint``) rebuilds the module there with
+    ``get_fp32_state_dict_from_zero_checkpoint(load_dir)``, which reads the tag in ``latest``
+    whatever tag was asked for.
+    """
+    from deepspeed.runtime import engine as ds_engine
+    original = ds_engine.get_fp32_state_dict_from_zero_checkpoint
+    if tag is not None:
+        ds_engine.get_fp32_state_dict_from_zero_checkpoint = functools.partial(original, tag=tag)
+    try:
+        yield
+    finally:
+        ds_engine.get_fp32_state_dict_from_zero_checkpoint = original
+
+
+def _universal_served(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
+    files = {n: os.path.join(folder, "zero", n, f"{SERVED_KEY}.pt") for n in names}
+    missing = sorted(n for n, f in files.items() if not os.path.exists(f))
+    if missing:
+        raise ValueError(f"universal checkpoint {folder} has no served value for params {missing}: DeepSpeed's "
+                         f"ds_to_universal keeps only the params the optimizer steps (frozen params are lost); "
+                         f"convert with python -m deepspeed_hooks.checkpoint")
+    return {n: torch.load(f, weights_only=False)["param"] for n, f in files.items()}
+
+
+@torch.no_grad()
+def write_served(engine, served: dict[str, torch.Tensor]) -> None:
+    """Set every bf16 param of ``engine.module`` to ``served[name]`` (full shapes, as
+    :func:`read_served` gives). No communication: under ZeRO-3 each rank writes its own partition
+    (``ds_tensor``, a view into the optimizer's flat bf16 buffer) and persistent params are
+    gathered again afterwards.
+
+    Raises:
+        KeyError: a param the optimizer trains has no value in ``served`` (names it).
+    """
+    from deepspeed import comm as dist
+    params = list(engine.module.named_parameters())
+    missing = sorted(n for n, p in params if p.requires_grad and n not in served)
+    if missing:
+        raise KeyError(f"export cast: the checkpoint has no served value for params {missing}")
+    zero3 = any(hasattr(p, "ds_id") for _, p in params)
+    if zero3:
+        engine.optimizer.checkpoint_event_prologue()  # every param partitioned, persistent ones too
+    for name, p in params:
+        if name not in served:
+            continue  # a frozen param saved with exclude_frozen_parameters: DeepSpeed's own value stays
+        value = served[name].reshape(-1)
+        if zero3:
+            pn = p.ds_tensor.ds_numel
+            start = dist.get_rank(group=p.ds_process_group) * pn
+            numel = max(0, min(pn, p.ds_numel - start))
+            p.ds_tensor.narrow(0, 0, numel).copy_(value.narrow(0, start, numel))
+        else:
+            p.data.view(-1).copy_(value)
+    if zero3:
+        engine.optimizer.checkpoint_event_epilogue()  # gathers the persistent params from their partitions
+
+
+def finish_load(engine, tag_dir: str, meta: dict | None, optimizer_loaded: bool, universal: bool) -> None:
+    """After DeepSpeed's ``load_checkpoint`` of ``tag_dir``: serve what was served at save (see
+    the module docstring for what each load flag gets).
+
+    Args:
+        engine: the engine, with Fair Cast installed.
+        tag_dir: the checkpoint tag folder (or universal folder) just loaded.
+        meta: ``client_state["export_cast"]`` of the loaded model-states file (None if absent).
+        optimizer_loaded: DeepSpeed loaded the optimizer state (``load_optimizer_states`` and not
+            ``load_module_only``).
+        universal: it was a universal-checkpoint load.
+
+    Raises:
+        ValueError: a universal checkpoint without served values for some params (names them), or
+            whose param groups do not match the optimizer's.
+        KeyError: a trained param has no served value in the checkpoint.
+    """
+    export = engine.optimizer.fair_export
+    names = [n for n, _ in engine.module.named_parameters()]
+    if universal:
+        if optimizer_loaded:  # ZeRO-3's universal loader gives every group group 0's hyperparameters
+            saved = torch.load(os.path.join(tag_dir, "zero", "optimizer_state.pt"), weights_only=False)["param_groups"]
+            groups = engine.optimizer.param_groups
+            if len(saved) != len(groups):
+                raise ValueError(f"universal checkpoint {tag_dir} has {len(saved)} param groups, the optimizer "
+                                 f"{len(groups)}: cannot restore per-group hyperparameters")
+            for group, saved_group in zip(groups, saved):
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+        state_file = os.path.join(tag_dir, "zero", UNIVERSAL_STATE_FILE)
+        fair = os.path.exists(state_file)  # converted by to_universal (else: served was nearest, except frozen)
+        wanted = names if fair else [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+        served = _universal_served(tag_dir, wanted) if wanted else None
+        step = torch.load(state_file, weights_only=False)["step"] if fair else None
+    else:
+        served, step = None, (meta or {}).get("step")
+        try:
+            served = None if optimizer_loaded else read_served(tag_dir)
+        except ValueError:  # ZeRO-3 without Fair Cast state: it served DeepSpeed's nearest, as loaded
+            if meta is not None:
+                raise
+    if served is not None:
+        write_served(engine, served)
+    if optimizer_loaded:
+        return  # masters, residuals and the export step came with the optimizer state
+    engine.optimizer.refresh_fp32_params()  # masters := the served bf16 values (each rank its partition)
+    for hp, _ in export.groups():  # what a universal loader put there; an empty state lets Adam start afresh
+        for key in STATE_KEYS:
+            export.state(hp).pop(key, None)
+    if step is None:
+        logger.warning(f"export cast: {tag_dir} has no export step (written without Fair Cast?): it starts at 0")
+    export.caster.step = int(step or 0)
+    logger.info(f"export cast: loaded without optimizer state: masters set to the served bf16 values, residuals "
+                f"at zero, export step {export.caster.step}")
 
 
 def main(argv=None) -> None:

@@ -6,7 +6,8 @@ writes safetensors).
 
 With Fair Cast the model's bf16 params *are* what Fair Cast served. Stages 0/1/2 save them in
 ``mp_rank_00_model_states.pt``; ZeRO-3 saves no bf16 weights, so the CLI rebuilds them from the
-``export_cast_served`` partitions that Fair Cast adds to each rank's optimizer state.
+``export_cast_served`` partitions that Fair Cast adds to each rank's optimizer state (and frozen
+params from DeepSpeed's ``frozen_param_fragments``).
 """
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from deepspeed_hooks.checkpoint import read_state
-from deepspeed_hooks.export import SERVED_KEY
+from deepspeed_hooks.checkpoint import read_served
 from faircast_dist.delta import DeltaTracker, index_dtype
 
 
@@ -126,7 +126,9 @@ def _zero3_deltas(bucket, tracker: DeltaTracker):
 def read_checkpoint(folder: str, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The served bf16 weights saved in a DeepSpeed checkpoint: ``{name: bf16 tensor}``.
 
-    The same names as :func:`served_weights`: the trained params (tied weights once, no buffers).
+    Exactly the names and bits :func:`served_weights` yielded when the checkpoint was saved: every
+    param, frozen ones included, tied weights once, no buffers (see
+    :func:`deepspeed_hooks.checkpoint.read_served`).
 
     Args:
         folder: the ``save_dir`` given to ``engine.save_checkpoint``.
@@ -139,26 +141,7 @@ def read_checkpoint(folder: str, tag: str | None = None) -> dict[str, torch.Tens
     if tag is None:
         with open(os.path.join(folder, "latest")) as f:
             tag = f.read().strip()
-    path = os.path.join(folder, tag)
-    dense = os.path.join(path, "mp_rank_00_model_states.pt")
-    if os.path.exists(dense):  # stage 0/1/2: the saved module's params are the served bf16 model
-        sd = torch.load(dense, map_location="cpu", weights_only=False, mmap=True)
-        # the params DeepSpeed trained, as served_weights() yields them from a live engine: no
-        # buffers, tied weights once (named_parameters order), each in its own storage
-        if sd.get("param_shapes"):  # ZeRO-1/2, BF16_Optimizer
-            names = [n for group in sd["param_shapes"] for n in group]
-        else:  # stage 0: the module minus its buffers, shared storages once
-            buffers, seen, names = set(sd.get("buffer_names") or ()), set(), []
-            for n, t in sd["module"].items():
-                if n not in buffers and (t.untyped_storage().data_ptr(), t.storage_offset()) not in seen:
-                    seen.add((t.untyped_storage().data_ptr(), t.storage_offset()))
-                    names.append(n)
-        return {n: sd["module"][n].to(torch.bfloat16).clone() for n in names}
-    served, _ = read_state(path, SERVED_KEY)  # ZeRO-3: rebuild from the per-rank served partitions
-    if not served:
-        raise ValueError(f"{path} has no '{SERVED_KEY}' in its optimizer state: a ZeRO-3 checkpoint stores no "
-                         f"bf16 weights unless it was written with Fair Cast")
-    return served
+    return read_served(os.path.join(folder, tag))
 
 
 def main(argv=None) -> None:

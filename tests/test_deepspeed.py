@@ -269,7 +269,8 @@ def test_served_cli_writes_params_once_without_buffers(tmp_path):
     folder = tmp_path / "ckpt"
     (folder / "global_step1").mkdir(parents=True)
     (folder / "latest").write_text("global_step1")
-    torch.save({"module": module, "param_shapes": [OrderedDict([("emb.weight", emb.shape)])]},
+    torch.save({"module": module, "param_shapes": [OrderedDict([("emb.weight", emb.shape)])],
+                "buffer_names": ["norm.running_mean", "norm.num_batches_tracked"]},
                folder / "global_step1" / "mp_rank_00_model_states.pt")
     main([str(folder), str(tmp_path / "served.safetensors")])
     written = load_file(tmp_path / "served.safetensors")

