@@ -26,11 +26,12 @@ BLOCK = 1024  # elements per program (a multiple of 8)
 
 
 def available() -> bool:
-    """True when ``triton`` imports (a GPU, or ``TRITON_INTERPRET=1`` for CPU tensors, is up to the caller)."""
-    return triton is not None
+    """True when a Triton with ``tl.join`` (3.0+, torch 2.4+) imports; a GPU, or
+    ``TRITON_INTERPRET=1`` for CPU tensors, is up to the caller."""
+    return triton is not None and hasattr(tl, "join")
 
 
-if triton is not None:
+if available():
     @triton.jit
     def _philox4x32_10(c0, c1, c2, c3, k0, k1):
         """Philox4x32-10 (Salmon et al., SC'11; Random123's word order) on uint32 tensors."""
@@ -140,8 +141,8 @@ def tiles(table: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torc
 def cast_flat(method: str, master: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
               residual: torch.Tensor | None = None) -> None:
     """The Triton backend of :func:`faircast_dist.fused.cast_flat` (arguments checked there)."""
-    if triton is None:
-        raise ValueError("the triton backend needs `pip install triton`")
+    if not available():
+        raise ValueError("the triton backend needs triton >= 3.0 (`pip install triton`)")
     seg, base = tiles(table, master.device)
     if seg.numel() == 0:
         return

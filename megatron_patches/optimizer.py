@@ -10,9 +10,12 @@ then ``_copy_main_params_to_model_params`` writes each fp32 master into the bf16
   ``_copy_main_params_to_param_buffer`` (MXFP8 grad-buffer reuse) writes the same slices.
 * ``Float16OptimizerWithFloat16Params``: every rank writes its whole TP-local params.
 
-:func:`install` wraps those two methods on the optimizer instance: the stock copy runs, then
-every bf16 target it wrote is overwritten with the Fair Cast of the same master slice, keyed by
-the param's canonical name and global element indices (:mod:`megatron_patches.layout`). So each
+:func:`install` wraps those methods on the optimizer instance: every bf16 target the stock copy
+writes gets the Fair Cast of the same master slice (one fused call per master shard, see
+:mod:`faircast_dist.fused`), keyed by the param's canonical name and global element indices
+(:mod:`megatron_patches.layout`). The Float16 optimizer's stock copy is replaced; the
+DistributedOptimizer's runs first (it also copies fp32 params and quantizes FP8 ones in the same
+loop) and its bf16 ranges are then overwritten. So each
 rank casts exactly the master elements it owns, and every element's bits are independent of the
 layout; TP/DP replicas cast identical masters and get identical bits without communication.
 
