@@ -232,3 +232,30 @@ def test_triton_philox_known_answers():
 def test_index_runs():
     index = torch.tensor([5, 6, 7, 100, 101, 3, 9, 10])
     assert fused.index_runs(index, start=2).tolist() == [[2, 3, 5], [5, 2, 100], [7, 1, 3], [8, 2, 9]]
+
+
+@pytest.mark.parametrize("method", ["nearest", "stochastic", "error_feedback"])
+def test_caster_cast_flat_equals_cast_per_fragment(method):
+    """FairCaster.cast_flat (one fused call) == FairCaster.cast on each fragment, at two steps."""
+    from faircast_dist import FairCaster
+    config = {"mode": "fair" if method != "nearest" else "nearest",
+              "method": method if method != "nearest" else "stochastic", "seed": 3}
+    flat_caster, ref_caster = FairCaster(config), FairCaster(config)
+    x = inputs(1 << 12, 5)
+    frags = [("a.weight", 0, 1000, 17), ("b.weight", 1000, 2000, 2**33 + 3), ("a.weight", 3100, 900, 1017)]
+    res = torch.full(x.shape, 1e-3)
+    ref_res = res.clone()
+    for _ in range(2):
+        out = torch.zeros(x.shape, dtype=torch.bfloat16)
+        flat_caster.cast_flat(x, out, frags, res)
+        want = torch.zeros(x.shape, dtype=torch.bfloat16)
+        for name, start, numel, index in frags:
+            s = slice(start, start + numel)
+            ref_caster.cast(name, x[s], index, out=want[s], residual=ref_res[s])
+        assert_same_bits(out, want)
+        assert torch.equal(res, ref_res)
+        flat_caster.advance()
+        ref_caster.advance()
+    if method == "error_feedback":
+        with pytest.raises(ValueError, match="needs the buffer's residual"):
+            flat_caster.cast_flat(x, out, frags)
