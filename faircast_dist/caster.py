@@ -103,14 +103,16 @@ class FairCaster:
             return out
         if method == "error_feedback" and residual is None:
             raise ValueError("FairCaster.cast_flat: error feedback needs the buffer's residual")
+        keyed = method != "error_feedback"  # every keyed method is stochastic rounding in the kernel
         keys = {}
         table = [(start, numel, index, *(keys.setdefault(name, derive_key(self.config.seed, self.step, name))
-                                         if method == "stochastic" else (0, 0)))
+                                         if keyed else (0, 0)))
                  for name, start, numel, index in rows]
+        kernel = "stochastic" if keyed else "error_feedback"
         if out.device == master.device:
-            return fused.cast_flat(method, master, out, table, residual, backend)
+            return fused.cast_flat(kernel, master, out, table, residual, backend)
         target = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
-        fused.cast_flat(method, master, target, table, residual, backend)
+        fused.cast_flat(kernel, master, target, table, residual, backend)
         for _, start, numel, _ in rows:
             out.narrow(0, start, numel).copy_(target.narrow(0, start, numel))
         return out

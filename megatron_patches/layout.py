@@ -100,7 +100,6 @@ class ParamLayout:
             parts.append(_block_range_index(b, lo - b.start, hi - b.start, device))
         return torch.cat(parts)
 
-
     def runs(self, start: int, end: int, chunk: int = 1 << 22) -> list[tuple[int, int, int]]:
         """Elements ``[start, end)`` as runs of consecutive global indices (fused-cast segments).
 
