@@ -5,6 +5,7 @@ inputs; Triton runs under TRITON_INTERPRET=1 (numpy on the CPU), so it gets smal
 """
 import math
 import os
+import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: CI has no GPU
 
@@ -259,3 +260,21 @@ def test_caster_cast_flat_equals_cast_per_fragment(method):
     if method == "error_feedback":
         with pytest.raises(ValueError, match="needs the buffer's residual"):
             flat_caster.cast_flat(x, out, frags)
+
+
+def test_without_a_compiler_the_reference_runs_after_one_warning(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no c++ compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(fused, "_CPU", {})
+    monkeypatch.delenv(fused.BACKEND_ENV, raising=False)
+    x, key = inputs(1 << 10, 2), derive_key(1, 1, "w")
+    with pytest.warns(RuntimeWarning, match="falling back to the plain-torch reference"):
+        assert fused.resolve_backend(torch.device("cpu")) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # only one warning
+        out = fused.cast_flat("stochastic", x, torch.empty(x.shape, dtype=torch.bfloat16), [(0, x.numel(), 5, *key)])
+    assert_same_bits(out, cast_stochastic(x, key, 5))
