@@ -6,6 +6,7 @@ setup(
     description="Fair Cast for Megatron and DeepSpeed: stochastic rounding / error feedback at the "
                 "fp32 master -> bf16 model cast, shard-aware and reproducible under any layout",
     packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches"]),
+    package_data={"faircast_dist": ["csrc/*.cpp"]},  # the fused CPU kernel, compiled on first use
     python_requires=">=3.10",
     entry_points={"console_scripts": ["faircast-served=deepspeed_hooks.served:main"]},
     # torch is not pinned: install the build you want first (the Makefile installs torch==2.13.0).
@@ -18,6 +19,7 @@ setup(
                  "safetensors"],
         # mpi4py (a prebuilt wheel) lets DeepSpeed discover ranks under mpirun; it loads the MPI
         # library (OpenMPI: apt-get install openmpi-bin libopenmpi-dev, as .ci/run does) at run time.
-        "dev": ["pytest", "pytest-timeout", "mpi4py"],
+        # triton: the fused GPU kernel's tests run it on the CPU (TRITON_INTERPRET=1); ninja builds the CPU kernel
+        "dev": ["pytest", "pytest-timeout", "mpi4py", "triton", "ninja"],
     },
 )

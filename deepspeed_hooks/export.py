@@ -101,9 +101,14 @@ class OptimizerExport:
             residual = state.get(RESIDUAL_KEY)
             if residual is None:
                 residual = state[RESIDUAL_KEY] = self.caster.new_residual(flat)
-        for f in fragments:
-            self.caster.cast(f.name, flat.narrow(0, f.start, f.numel), index=f.index, out=f.out,
-                             residual=None if residual is None else residual.view(-1).narrow(0, f.start, f.numel))
+        residual = None if residual is None else residual.view(-1)
+        out = _flat_out(fragments)
+        if out is not None:  # one fused call for the whole group (ZeRO partitions, ZeRO-3 sub-groups)
+            self.caster.cast_flat(flat, out, [(f.name, f.start, f.numel, f.index) for f in fragments], residual)
+        else:  # bf16 params in separate tensors (stage 0 fused groups): one call per param
+            for f in fragments:
+                self.caster.cast_flat(flat.narrow(0, f.start, f.numel), f.out, [(f.name, 0, f.numel, f.index)],
+                                      None if residual is None else residual.narrow(0, f.start, f.numel))
         self.exported = True
 
     def finish(self) -> None:
@@ -247,6 +252,23 @@ class OptimizerExport:
                 dist.all_reduce(full, group=self.dp_group(0))
             out[name] = full
         return out
+
+
+def _flat_out(fragments: list[Fragment]) -> torch.Tensor | None:
+    """A bf16 1-D view ``v`` with ``v[f.start:f.start + f.numel]`` being ``f.out`` for every
+    fragment (their bf16 targets lie in one buffer laid out like the fp32 group), else None."""
+    if not fragments:
+        return None
+    f0 = fragments[0]
+    base, storage = f0.out.storage_offset() - f0.start, f0.out.untyped_storage()
+    end = max(f.start + f.numel for f in fragments)
+    if base < 0 or (base + end) * f0.out.element_size() > storage.nbytes():
+        return None
+    for f in fragments:
+        if (f.out.dim() != 1 or not f.out.is_contiguous() or f.out.untyped_storage().data_ptr() != storage.data_ptr()
+                or f.out.storage_offset() - f.start != base or f.out.dtype != f0.out.dtype):
+            return None
+    return f0.out.as_strided((end,), (1,), base)
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from faircast_dist import fused
 from faircast_dist.config import RESIDUAL_DTYPES, ExportCastConfig
 from faircast_dist.philox import derive_dither_key, derive_key
 from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic
@@ -88,6 +89,49 @@ class FairCaster:
             if residual is None:
                 residual = self.residuals[name] = self.new_residual(master)
         return cast_error_feedback(master, residual, out)
+
+    def cast_flat(self, master: torch.Tensor, out: torch.Tensor, fragments, residual: torch.Tensor | None = None,
+                  backend: str = "auto") -> torch.Tensor:
+        """Cast the param fragments of one flat fp32 buffer at the current step, in one fused call.
+
+        Bitwise the same as :meth:`cast` on each fragment (see :func:`faircast_dist.fused.cast_flat`).
+
+        Args:
+            master: float32 1-D contiguous buffer (e.g. a ZeRO partition).
+            out: bfloat16 1-D contiguous buffer indexed like ``master``; only the fragments are
+                written. On another device than ``master`` (ZeRO-Offload: fp32 on the host), the
+                cast runs on ``master``'s device and each fragment is then copied over.
+            fragments: ``(name, start, numel, index)`` per fragment: canonical param name, offset
+                in the buffers, element count, global index of its first element in the param.
+            residual: error feedback only (required then): float32/bfloat16 1-D buffer indexed
+                like ``master``, updated in place.
+            backend: see :func:`faircast_dist.fused.resolve_backend`.
+
+        Returns:
+            ``out``.
+
+        Raises:
+            ValueError / TypeError: a missing residual, bad buffers or fragments (named).
+        """
+        rows = list(fragments)
+        method = self.method
+        if method == "nearest":
+            for _, start, numel, _ in rows:
+                cast_nearest(master.narrow(0, start, numel), out.narrow(0, start, numel))
+            return out
+        if method == "error_feedback" and residual is None:
+            raise ValueError("FairCaster.cast_flat: error feedback needs the buffer's residual")
+        keyed = method != "error_feedback"  # every keyed method is stochastic rounding in the kernel
+        keys = {name: self.key(name) if keyed else (0, 0) for name, _, _, _ in rows}
+        table = [(start, numel, index, *keys[name]) for name, start, numel, index in rows]
+        kernel = "stochastic" if keyed else "error_feedback"
+        if out.device == master.device:
+            return fused.cast_flat(kernel, master, out, table, residual, backend)
+        target = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
+        fused.cast_flat(kernel, master, target, table, residual, backend)
+        for _, start, numel, _ in rows:
+            out.narrow(0, start, numel).copy_(target.narrow(0, start, numel))
+        return out
 
     def advance(self) -> None:
         """Mark one whole-model export as done (stochastic rounding's next cast draws fresh bits)."""

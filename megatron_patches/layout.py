@@ -33,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from faircast_dist import fused
 from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 
 _LAYERS = re.compile(r"(^|\.)layers\.")
@@ -98,6 +99,27 @@ class ParamLayout:
                 continue
             parts.append(_block_range_index(b, lo - b.start, hi - b.start, device))
         return torch.cat(parts)
+
+    def runs(self, start: int, end: int, chunk: int = 1 << 22) -> list[tuple[int, int, int]]:
+        """Elements ``[start, end)`` as runs of consecutive global indices (fused-cast segments).
+
+        Returns:
+            ``[(offset from start, numel, global index of the run's first element), ...]``; one
+            run for a contiguous block, one per row for a block split on a later dim. ``index``
+            tensors are built ``chunk`` elements at a time to bound the int64 temporaries.
+        """
+        rows = []
+        for lo in range(start, end, chunk):
+            hi = min(lo + chunk, end)
+            index = self.index(lo, hi)
+            part = [(lo - start, hi - lo, index)] if isinstance(index, int) else \
+                [tuple(r) for r in fused.index_runs(index, lo - start).tolist()]
+            for offset, numel, first in part:
+                if rows and rows[-1][0] + rows[-1][1] == offset and rows[-1][2] + rows[-1][1] == first:
+                    rows[-1] = (rows[-1][0], rows[-1][1] + numel, rows[-1][2])  # a run cut by a chunk
+                else:
+                    rows.append((offset, numel, first))
+        return rows
 
 
 def _block_range_index(b: Block, lo: int, hi: int, device) -> torch.Tensor:

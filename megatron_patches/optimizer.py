@@ -10,9 +10,12 @@ then ``_copy_main_params_to_model_params`` writes each fp32 master into the bf16
   ``_copy_main_params_to_param_buffer`` (MXFP8 grad-buffer reuse) writes the same slices.
 * ``Float16OptimizerWithFloat16Params``: every rank writes its whole TP-local params.
 
-:func:`install` wraps those two methods on the optimizer instance: the stock copy runs, then
-every bf16 target it wrote is overwritten with the Fair Cast of the same master slice, keyed by
-the param's canonical name and global element indices (:mod:`megatron_patches.layout`). So each
+:func:`install` wraps those methods on the optimizer instance: every bf16 target the stock copy
+writes gets the Fair Cast of the same master slice (one fused call per master shard, see
+:mod:`faircast_dist.fused`), keyed by the param's canonical name and global element indices
+(:mod:`megatron_patches.layout`). The Float16 optimizer's stock copy is replaced; the
+DistributedOptimizer's runs first (it also copies fp32 params and quantizes FP8 ones in the same
+loop) and its bf16 ranges are then overwritten. So each
 rank casts exactly the master elements it owns, and every element's bits are independent of the
 layout; TP/DP replicas cast identical masters and get identical bits without communication.
 
@@ -44,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 STATE_KEY = "export_cast"
 RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.residual."
-_CHUNK = 1 << 22  # elements cast per call: bounds the int64 index temporaries
 
 
 @dataclasses.dataclass
@@ -78,6 +80,7 @@ class MegatronExport:
         if caster.method == "error_feedback":
             self.residuals = {id(s.model_param): caster.new_residual(s.main) for s in self.shards()}
         self._internal_load = False
+        self._runs = {}  # (id(model param), start, end) -> fused-cast segments of that shard
 
     # -- where the masters are ------------------------------------------------------------------
     def shards(self):
@@ -109,18 +112,21 @@ class MegatronExport:
     # -- the export -----------------------------------------------------------------------------
     @torch.no_grad()
     def export(self) -> None:
-        """Overwrite this rank's bf16 targets with the Fair Cast of its masters; advance the step."""
+        """Write the Fair Cast of this rank's masters into its bf16 targets; advance the step.
+
+        One fused call per master shard: its segments are the runs of consecutive global
+        indices (one for a contiguous range, one per row of a TP block split on a later dim).
+        """
         for shard in self.shards():
             master, out = shard.main.detach().view(-1), self._target(shard)
             if out.dtype != torch.bfloat16:
                 raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {out.dtype}, not bfloat16")
+            key = (id(shard.model_param), shard.start, shard.end)
+            runs = self._runs.get(key)
+            if runs is None:
+                runs = self._runs[key] = [(shard.layout.name, *r) for r in shard.layout.runs(shard.start, shard.end)]
             residual = self.residuals.get(id(shard.model_param))
-            residual = None if residual is None else residual.view(-1)
-            for lo in range(0, master.numel(), _CHUNK):
-                hi = min(lo + _CHUNK, master.numel())
-                self.caster.cast(shard.layout.name, master[lo:hi],
-                                 shard.layout.index(shard.start + lo, shard.start + hi, master.device),
-                                 out=out[lo:hi], residual=None if residual is None else residual[lo:hi])
+            self.caster.cast_flat(master, out, runs, None if residual is None else residual.view(-1))
         self.caster.advance()
 
     def reset_residuals(self) -> None:
@@ -308,7 +314,13 @@ def _wrap(leaf, export: MegatronExport) -> None:
             return result
         setattr(leaf, method_name, wrapped)
 
-    after("_copy_main_params_to_model_params", export.export)
+    if export.distributed:
+        # the stock copy also writes the fp32 params' shards (and quantizes FP8 ones) in the same
+        # loop: it runs, then Fair Cast overwrites the bf16 ranges (one extra copy per step)
+        after("_copy_main_params_to_model_params", export.export)
+    else:
+        # the stock copy writes exactly the bf16 params Fair Cast writes: replaced, not repeated
+        leaf._copy_main_params_to_model_params = export.export
     if hasattr(leaf, "_copy_main_params_to_param_buffer"):
         after("_copy_main_params_to_param_buffer", export.export)
     after("_copy_model_params_to_main_params", export.reset_residuals)

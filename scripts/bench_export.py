@@ -1,24 +1,32 @@
 """Benchmark the export casts side by side, and check that a device gives the CPU's bits.
 
-    python scripts/bench_export.py                           # CPU, 135M elements (SmolLM2 size)
-    python scripts/bench_export.py --device cuda --numel 1.7e9
+    python scripts/bench_export.py                                   # CPU: 1e6, 1e7, 5e7 elements, 1 and 2 threads
+    python scripts/bench_export.py --sizes 1e6 135e6 --json          # machine-readable rows
+    python scripts/bench_export.py --device cuda --sizes 1.7e9 --threads 0
 
-Prints, for nearest / stochastic / error_feedback on one flat fp32 master of ``--numel``
-elements (one "parameter", cast as one shard, as a rank casts its partition), the median wall
-time in ms over ``--repeat`` runs and the ratio to nearest. With ``--check-bits`` (default on a
-non-CPU device) it first casts ``--check-numel`` random fp32 bit patterns (normals, subnormals,
-NaN, Inf, zeros) with contiguous and scattered indices on the device and on the CPU and reports
-whether every bit agrees (DESIGN.md: CPU and GPU kernels must produce the same bits).
+On one flat fp32 master of each size (one "parameter", cast as one segment, as a rank casts its
+partition) it times, in one run on the same buffers: ``.to(bfloat16)``, ``copy_`` into a bf16
+buffer (the stock round to nearest), the plain-torch reference stochastic rounding / error
+feedback (faircast_dist.rounding), the fused kernels (faircast_dist.fused: SR, EF with an fp32
+and a bf16 residual), and torchao's ``_fp32_to_bf16_sr`` when torchao imports (bench only; it is
+in no extra). Each row: median ms over ``--repeat`` runs, GB/s of the bytes the cast must move
+(SR/nearest: read 4 + write 2 B per element; EF: + read and write the residual, 4 or 2 B each),
+and the ratio to ``copy_``. On a shared machine timings are noisy: compare ratios within one run.
+
+With ``--check-bits`` (default on a non-CPU device) it first casts ``--check-numel`` random fp32
+bit patterns with contiguous and scattered indices on the device and on the CPU (reference) and
+reports whether every bit agrees (NaN payloads aside).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
 
-from faircast_dist import cast_error_feedback, cast_nearest, cast_stochastic, derive_key
+from faircast_dist import cast_error_feedback, cast_nearest, cast_stochastic, derive_key, fused
 
 
 def sync(device):
@@ -32,34 +40,69 @@ def check_bits(device: torch.device, numel: int) -> bool:
     x[:8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, 3.4e38, -3.4e38])
     scattered = torch.randperm(numel, generator=g) * 3 + 12345
     res = (torch.rand(numel, generator=g) - 0.5) * 1e-3
+    key = derive_key(7, 3, "w")
+
     ok = True
-    for label, fn in [
-        ("nearest", lambda t, d: cast_nearest(t)),
-        ("stochastic, contiguous index", lambda t, d: cast_stochastic(t, derive_key(7, 3, "w"), 987654321)),
-        ("stochastic, scattered index", lambda t, d: cast_stochastic(t, derive_key(7, 3, "w"), scattered.to(d))),
-        ("error_feedback", lambda t, d: cast_error_feedback(t, res.clone().to(d))),
+    for label, ref, dev in [
+        ("nearest", lambda: cast_nearest(x), lambda d: cast_nearest(x.to(d))),
+        ("stochastic, contiguous index", lambda: cast_stochastic(x, key, 2**32 - 5),
+         lambda d: cast_stochastic(x.to(d), key, 2**32 - 5)),
+        ("stochastic, scattered index", lambda: cast_stochastic(x, key, scattered),
+         lambda d: cast_stochastic(x.to(d), key, scattered.to(d))),
+        ("fused stochastic", lambda: cast_stochastic(x, key, 2**32 - 5),
+         lambda d: fused.cast_flat("stochastic", x.to(d), torch.empty(numel, dtype=torch.bfloat16, device=d),
+                                   [(0, numel, 2**32 - 5, *key)])),
+        ("error_feedback", lambda: cast_error_feedback(x, res.clone()), lambda d: cast_error_feedback(x.to(d), res.to(d))),
+        ("fused error_feedback", lambda: cast_error_feedback(x, res.clone()),
+         lambda d: fused.cast_flat("error_feedback", x.to(d), torch.empty(numel, dtype=torch.bfloat16, device=d),
+                                   [(0, numel, 0, 0, 0)], res.to(d))),
     ]:
-        on_cpu, on_dev = fn(x, "cpu"), fn(x.to(device), device).cpu()
+        on_cpu, on_dev = ref(), dev(device).cpu()
         differ = on_cpu.view(torch.int16) != on_dev.view(torch.int16)
         nan_payload = differ & torch.isnan(on_cpu) & torch.isnan(on_dev)  # NaN stays NaN; payloads may differ
         same = not bool((differ & ~nan_payload).any())
-        print(f"  {label:<30} {device.type} bits == cpu bits: {same} "
+        print(f"  {label:<30} {device.type} bits == cpu reference bits: {same} "
               f"({int(differ.sum())} differ, {int(nan_payload.sum())} of them NaN payloads only)")
         ok &= same
     return ok
 
 
-def bench(device: torch.device, numel: int, repeat: int) -> dict[str, float]:
+def torchao_sr():
+    """torchao's stochastic rounding (torch.randint bits), or None when torchao does not import."""
+    try:
+        from torchao.optim.quant_utils import _fp32_to_bf16_sr
+    except Exception:
+        return None
+    return _fp32_to_bf16_sr
+
+
+def cases(device: torch.device, numel: int):
+    """``{name: (fn, bytes moved)}`` on shared buffers."""
     master = torch.randn(numel, device=device)
     out = torch.empty(numel, dtype=torch.bfloat16, device=device)
-    residual = torch.zeros(numel, device=device)
+    res32 = torch.zeros(numel, device=device)
+    res16 = torch.zeros(numel, dtype=torch.bfloat16, device=device)
     key = derive_key(1234, 0, "w")
-    runs = {"nearest": lambda: cast_nearest(master, out),
-            "stochastic": lambda: cast_stochastic(master, key, 0, out),
-            "error_feedback": lambda: cast_error_feedback(master, residual, out)}
-    times = {}
-    for name, fn in runs.items():
-        fn()  # warm-up
+    table = fused.segment_table([(0, numel, 0, *key)])
+    run = {
+        ".to(bfloat16)": (lambda: master.to(torch.bfloat16), 6),
+        "copy_": (lambda: out.copy_(master), 6),
+        "reference SR": (lambda: cast_stochastic(master, key, 0, out), 6),
+        "reference EF": (lambda: cast_error_feedback(master, res32, out), 14),
+        "fused SR": (lambda: fused.cast_flat("stochastic", master, out, table), 6),
+        "fused EF": (lambda: fused.cast_flat("error_feedback", master, out, table, res32), 14),
+        "fused EF bf16 residual": (lambda: fused.cast_flat("error_feedback", master, out, table, res16), 10),
+    }
+    ao = torchao_sr()
+    if ao is not None:
+        run["torchao SR"] = (lambda: ao(master), 6)
+    return run
+
+
+def bench(device: torch.device, numel: int, repeat: int) -> list[dict]:
+    rows = []
+    for name, (fn, nbytes) in cases(device, numel).items():
+        fn()  # warm-up (and the CPU kernel's build on first use)
         sync(device)
         samples = []
         for _ in range(repeat):
@@ -67,15 +110,22 @@ def bench(device: torch.device, numel: int, repeat: int) -> dict[str, float]:
             fn()
             sync(device)
             samples.append(1e3 * (time.perf_counter() - t0))
-        times[name] = statistics.median(samples)
-    return times
+        ms = statistics.median(samples)
+        rows.append({"case": name, "numel": numel, "ms": ms, "GB/s": nbytes * numel / ms / 1e6})
+    copy_ms = next(r["ms"] for r in rows if r["case"] == "copy_")
+    for r in rows:
+        r["x copy_"] = r["ms"] / copy_ms
+    return rows
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--numel", type=float, default=135e6, help="elements in the master (135e6 = SmolLM2-135M)")
+    p.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 5e7],
+                   help="elements per master (135e6 = SmolLM2-135M, 1.7e9 = Qwen3-1.7B)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads (CPU); 0 = leave as is")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--check-bits", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--check-numel", type=int, default=1 << 22)
     args = p.parse_args(argv)
@@ -84,11 +134,24 @@ def main(argv=None):
     if args.check_bits or (args.check_bits is None and device.type != "cpu"):
         print(f"bitwise check, {args.check_numel} elements:")
         ok = check_bits(device, args.check_numel)
-    times = bench(device, int(args.numel), args.repeat)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"export of {int(args.numel):,} fp32 elements on {name}, median of {args.repeat}:")
-    for method, ms in times.items():
-        print(f"  {method:<16}{ms:>10.1f} ms   x{ms / times['nearest']:.1f} of nearest")
+    backend = fused.resolve_backend(device)
+    rows = []
+    for threads in args.threads:
+        if threads:
+            torch.set_num_threads(threads)
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+        for numel in map(int, args.sizes):
+            part = bench(device, numel, args.repeat)
+            for r in part:
+                r.update(device=where, threads=torch.get_num_threads(), fused_backend=backend)
+            rows += part
+            if not args.json:
+                print(f"\n{numel:,} fp32 elements on {where} (fused backend: {backend}), median of {args.repeat}:")
+                print(f"  {'case':<24}{'ms':>10}{'GB/s':>9}{'x copy_':>9}")
+                for r in part:
+                    print(f"  {r['case']:<24}{r['ms']:>10.2f}{r['GB/s']:>9.1f}{r['x copy_']:>9.2f}")
+    if args.json:
+        print(json.dumps(rows, indent=1))
     raise SystemExit(0 if ok else 1)
 
 

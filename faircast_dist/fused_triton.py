@@ -1,0 +1,168 @@
+"""The fused casts as a Triton kernel (GPU; CPU under ``TRITON_INTERPRET=1``, as CI runs it).
+
+Same contract and bits as :func:`faircast_dist.fused.cast_flat` (which dispatches here). One
+program casts one *tile*: ``BLOCK`` elements of one segment, aligned to param-global multiples of
+``BLOCK``, so it draws ``BLOCK / 8`` Philox blocks, one per 8 elements, even when a segment starts
+mid-block. Written for exact bits on any Triton version:
+
+* the 10 Philox4x32 rounds are spelled out on explicit ``tl.uint32`` words with ``tl.umulhi``
+  (``tl.randint`` switches to Philox4x64 on 64-bit counters in some versions, and the
+  interpreter sign-extends signed int32 operands of ``umulhi``);
+* program offsets are int64 (loaded from int64 tables): ``pid * BLOCK`` in int32 overflows past
+  2**31 elements;
+* rounding is integer ops on the fp32 bit pattern (no libdevice, no flush-to-zero surprises).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU kernel and the reference do not need it
+    triton = None
+
+BLOCK = 1024  # elements per program (a multiple of 8)
+
+
+def available() -> bool:
+    """True when a Triton with ``tl.join`` (3.0+, torch 2.4+) imports; a GPU, or
+    ``TRITON_INTERPRET=1`` for CPU tensors, is up to the caller."""
+    return triton is not None and hasattr(tl, "join")
+
+
+if available():
+    @triton.jit
+    def _philox4x32_10(c0, c1, c2, c3, k0, k1):
+        """Philox4x32-10 (Salmon et al., SC'11; Random123's word order) on uint32 tensors."""
+        m0 = tl.full(c0.shape, 0xD2511F53, tl.uint32)
+        m1 = tl.full(c0.shape, 0xCD9E8D57, tl.uint32)
+        w0 = tl.full(c0.shape, 0x9E3779B9, tl.uint32)
+        w1 = tl.full(c0.shape, 0xBB67AE85, tl.uint32)
+        for r in tl.static_range(10):
+            if r > 0:
+                k0 = k0 + w0
+                k1 = k1 + w1
+            h0 = tl.umulhi(c0, m0)
+            l0 = c0 * m0
+            h1 = tl.umulhi(c2, m1)
+            l1 = c2 * m1
+            c0 = h1 ^ c1 ^ k0
+            c2 = h0 ^ c3 ^ k1
+            c1 = l1
+            c3 = l0
+        return c0, c1, c2, c3
+
+    @triton.jit
+    def _philox_kat_kernel(ctr_ptr, key_ptr, out_ptr, N: tl.constexpr):
+        """Test hook: Philox of N arbitrary counters (uint32 words in int64 tensors)."""
+        i = tl.arange(0, N)
+        c = [tl.load(ctr_ptr + 4 * i + w).to(tl.uint32) for w in tl.static_range(4)]
+        k0 = tl.full([N], 0, tl.uint32) + tl.load(key_ptr).to(tl.uint32)
+        k1 = tl.full([N], 0, tl.uint32) + tl.load(key_ptr + 1).to(tl.uint32)
+        o0, o1, o2, o3 = _philox4x32_10(c[0], c[1], c[2], c[3], k0, k1)
+        tl.store(out_ptr + 4 * i, o0.to(tl.int64))
+        tl.store(out_ptr + 4 * i + 1, o1.to(tl.int64))
+        tl.store(out_ptr + 4 * i + 2, o2.to(tl.int64))
+        tl.store(out_ptr + 4 * i + 3, o3.to(tl.int64))
+
+    @triton.jit
+    def _nonfinite16(b):
+        """bf16 bits (uint32) of a non-finite fp32 pattern: Inf as is; NaN a quiet NaN, sign kept."""
+        return tl.where((b & 0x007FFFFF) != 0, (b >> 16) | 0x0040, b >> 16)
+
+    @triton.jit
+    def _to_bf16_bits(b):
+        """Round to nearest even (uint32 pattern -> uint32 holding 16 bits); NaN by _nonfinite16."""
+        return tl.where((b & 0x7FFFFFFF) > 0x7F800000, _nonfinite16(b), (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+
+    @triton.jit
+    def _cast_kernel(master_ptr, out_ptr, res_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr,
+                     EF: tl.constexpr, RES_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        s = tl.load(tile_seg_ptr + pid)  # int64: all offsets below are 64-bit
+        base = tl.load(tile_base_ptr + pid)  # param-global index of the tile's first slot
+        start = tl.load(seg_ptr + 5 * s)
+        numel = tl.load(seg_ptr + 5 * s + 1)
+        g0 = tl.load(seg_ptr + 5 * s + 2)
+        g = base + tl.arange(0, BLOCK)
+        mask = (g >= g0) & (g < g0 + numel)
+        pos = start + (g - g0)
+        b = tl.load(master_ptr + pos, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        finite = (b & 0x7FFFFFFF) < 0x7F800000
+        if EF:
+            x = b.to(tl.float32, bitcast=True)
+            if RES_BF16:
+                eb = tl.load(res_ptr + pos, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+                e = (eb << 16).to(tl.float32, bitcast=True)
+            else:
+                e = tl.load(res_ptr + pos, mask=mask, other=0.0)
+            y = tl.where(e == 0.0, x, x + e)  # -0 + 0 would give +0: keep the master's sign
+            y = tl.where(y > 3.3895313892515355e38, 3.3895313892515355e38, y)  # saturate; NaN passes
+            y = tl.where(y < -3.3895313892515355e38, -3.3895313892515355e38, y)
+            q = _to_bf16_bits(y.to(tl.uint32, bitcast=True))
+            d = y - (q << 16).to(tl.float32, bitcast=True)  # exact
+            q = tl.where(finite, q, _nonfinite16(b))
+            if RES_BF16:
+                d16 = _to_bf16_bits(d.to(tl.uint32, bitcast=True))
+                tl.store(res_ptr + pos, tl.where(finite, d16, eb).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+            else:
+                tl.store(res_ptr + pos, tl.where(finite, d, e), mask=mask)
+        else:
+            NB: tl.constexpr = BLOCK // 8
+            blk = base // 8 + tl.arange(0, NB)
+            zero = tl.zeros([NB], tl.uint32)
+            k0 = zero + tl.load(seg_ptr + 5 * s + 3).to(tl.uint32)
+            k1 = zero + tl.load(seg_ptr + 5 * s + 4).to(tl.uint32)
+            w0, w1, w2, w3 = _philox4x32_10((blk & 0xFFFFFFFF).to(tl.uint32), (blk >> 32).to(tl.uint32),
+                                            zero, zero, k0, k1)
+            # element i of a block takes lane i % 8: lane 2w = low half of word w, 2w + 1 its high half
+            lanes = tl.join(tl.join(tl.join(w0 & 0xFFFF, w2 & 0xFFFF), tl.join(w1 & 0xFFFF, w3 & 0xFFFF)),
+                            tl.join(tl.join(w0 >> 16, w2 >> 16), tl.join(w1 >> 16, w3 >> 16)))
+            r = tl.reshape(lanes, [BLOCK])
+            mag = b & 0x7FFFFFFF
+            m = tl.minimum((mag + r) & 0xFFFF0000, 0x7F7F0000)  # round, saturate at bf16 max
+            q = tl.where(finite, ((b & 0x80000000) | m) >> 16, _nonfinite16(b))
+        tl.store(out_ptr + pos, q.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+
+
+def tiles(table: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment of each tile, param-global index of its first slot): int64 tensors on ``device``."""
+    t = table.to(device)
+    numel, g0 = t[:, 1], t[:, 2]
+    live = numel > 0
+    first = torch.div(g0, BLOCK, rounding_mode="floor")
+    count = torch.where(live, torch.div(g0 + numel - 1, BLOCK, rounding_mode="floor") - first + 1, 0)
+    seg = torch.repeat_interleave(torch.arange(t.shape[0], device=device), count)
+    offset = torch.arange(seg.numel(), device=device) - (torch.cumsum(count, 0) - count)[seg]
+    return seg, (first[seg] + offset) * BLOCK
+
+
+def cast_flat(method: str, master: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
+              residual: torch.Tensor | None = None) -> None:
+    """The Triton backend of :func:`faircast_dist.fused.cast_flat` (arguments checked there)."""
+    if not available():
+        raise ValueError("the triton backend needs triton >= 3.0 (`pip install triton`)")
+    seg, base = tiles(table, master.device)
+    if seg.numel() == 0:
+        return
+    ef = method == "error_feedback"
+    res = master if not ef else residual.view(torch.int16) if residual.dtype == torch.bfloat16 else residual
+    _cast_kernel[(seg.numel(),)](master.view(torch.int32), out.view(torch.int16), res, table.to(master.device),
+                                 seg, base, EF=ef, RES_BF16=ef and residual.dtype == torch.bfloat16, BLOCK=BLOCK)
+
+
+def philox4x32_10(counter: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
+    """The kernel's Philox on arbitrary counters (for the known-answer tests).
+
+    Args:
+        counter: int64 ``[N, 4]`` of uint32 words, N a power of two.
+        key: ``(k0, k1)`` uint32 words.
+
+    Returns:
+        int64 ``[N, 4]`` output words.
+    """
+    out = torch.empty_like(counter)
+    _philox_kat_kernel[(1,)](counter.contiguous(), torch.tensor(key, dtype=torch.int64, device=counter.device),
+                             out, N=counter.shape[0])
+    return out

@@ -1,0 +1,280 @@
+"""Fused casts (faircast_dist.fused): every backend gives the reference's bits on every input class.
+
+The reference (faircast_dist.rounding + philox) is the spec. The CPU kernel is tested on full-size
+inputs; Triton runs under TRITON_INTERPRET=1 (numpy on the CPU), so it gets small ones.
+"""
+import math
+import os
+import warnings
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: CI has no GPU
+
+import pytest
+import torch
+
+from faircast_dist import block_index, cast_error_feedback, cast_stochastic, derive_key, fused
+from faircast_dist.rounding import BF16_MAX
+from test_philox import KAT, python_philox
+from test_rounding import TINY_SUB, random_fp32_patterns
+
+
+def _triton_ok():
+    from faircast_dist import fused_triton
+    return fused_triton.available()
+
+
+BACKENDS = [pytest.param("cpu"),
+            pytest.param("triton", marks=pytest.mark.skipif(not _triton_ok(), reason="triton is not installed"))]
+SIZE = {"cpu": 1 << 17, "triton": 1 << 11}  # elements per random test (the interpreter is slow)
+
+
+def bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def assert_same_bits(got, want):
+    """Identical bits, except that NaN may be any NaN on both sides (fused.py's NaN rule)."""
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), "NaN positions differ"
+    differ = (bits(got) != bits(want)) & ~nan
+    assert not differ.any(), f"{int(differ.sum())} elements differ, first at {int(differ.nonzero()[0, 0])}"
+
+
+def special_values():
+    """Edge classes: ±0, ±Inf, NaNs (with sign and payload), subnormals, saturation at bf16 max."""
+    sub = [TINY_SUB * k for k in (0.25, 0.5, 1, 1.5, 7.25, 255.9)] + [1e-45, 1e-39, 1.17e-38]
+    near_max = [float(BF16_MAX), 3.39e38, 3.4e38, 3.4028235e38, 3.3e38]
+    pos = [0.0, math.inf, 1.0, 1.0 + 2**-8, 1.0 - 2**-20, 65504.0] + sub + near_max
+    x = torch.tensor(pos + [-v for v in pos], dtype=torch.float32)
+    nans = torch.tensor([0x7FC00000, 0x7F800001, 0x7FFFFFFF, -0x00400000, -0x007FFFFF, 0x7F80FFFF], dtype=torch.int32)
+    return torch.cat([x, nans.view(torch.float32)])
+
+
+def inputs(n, seed):
+    """n fp32 values: random bit patterns (every class), then normals, then the special values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.cat([random_fp32_patterns(n // 2, seed), torch.randn(n // 2, generator=g) * 10.0 ** torch.randint(
+        -30, 30, (n // 2,), generator=g), special_values()])
+    return x
+
+
+def reference(method, master, segments, residual=None):
+    out = torch.zeros(master.shape, dtype=torch.bfloat16)
+    res = None if residual is None else residual.clone()
+    fused.cast_flat(method, master, out, segments, res, backend="reference")
+    return out, res
+
+
+def random_segments(n, g, mid_block=True, high_index=False):
+    """Random cut of [0, n) into segments with gaps (padding), keys and global indices."""
+    cuts = sorted(set(torch.randint(0, n, (6,), generator=g).tolist()) | {0, n})
+    rows = []
+    for a, b in zip(cuts, cuts[1:]):
+        if torch.rand(1, generator=g).item() < 0.2:
+            continue  # a gap: padding that no segment covers
+        index = int(torch.randint(0, 1 << 20, (1,), generator=g)) * (1 if mid_block else 8)
+        if high_index:
+            index += (1 << 32) - 7 if torch.rand(1, generator=g).item() < 0.5 else 3 << 40
+        k0, k1 = torch.randint(0, 1 << 32, (2,), generator=g, dtype=torch.int64).tolist()
+        rows.append((a, b - a, index, k0, k1))
+    return rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("high_index", [False, True])
+def test_stochastic_equals_reference_on_random_splits(backend, high_index):
+    n = SIZE[backend]
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x = inputs(n, seed)
+        rows = random_segments(x.numel(), g, high_index=high_index)
+        out = torch.zeros(x.shape, dtype=torch.bfloat16)
+        fused.cast_flat("stochastic", x, out, rows, backend=backend)
+        want, _ = reference("stochastic", x, rows)
+        assert_same_bits(out, want)  # gaps stay zero on both sides
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_segment_equals_whole_param_cast(backend):
+    """Segments starting mid Philox block, at the 2**32 counter boundary and far above it."""
+    n = SIZE[backend] // 4
+    x = inputs(n, 7)
+    key = derive_key(5, 9, "layers.0.w")
+    for index in (0, 1, 7, 8, 13, 2**32 - 3, 2**32, 2**45 + 5, 2**63 - x.numel() - 1):
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        fused.cast_flat("stochastic", x, out, [(0, x.numel(), index, *key)], backend=backend)
+        assert_same_bits(out, cast_stochastic(x, key, index))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_tp_block_as_runs(backend):
+    """A row-parallel (dim 1) TP shard: one segment per run of consecutive global indices."""
+    shape, tp = (24, 40) if backend == "triton" else (96, 200), 4
+    x = inputs(shape[0] * shape[1], 11)[:shape[0] * shape[1]].view(shape)
+    key = derive_key(1, 2, "linear_proj.weight")
+    for r, xs in enumerate(x.chunk(tp, dim=1)):
+        xs = xs.contiguous()
+        index = block_index(shape, (0, r * xs.shape[1]), xs.shape)
+        runs = fused.index_runs(index)
+        assert runs.shape[0] == shape[0]  # one run per row
+        table = torch.cat([runs, torch.tensor(key).expand(runs.shape[0], 2)], dim=1)
+        out = torch.empty(xs.numel(), dtype=torch.bfloat16)
+        fused.cast_flat("stochastic", xs.view(-1), out, table, backend=backend)
+        assert_same_bits(out, cast_stochastic(xs, key, index).view(-1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
+def test_error_feedback_equals_reference_over_steps(backend, residual_dtype):
+    n = SIZE[backend]
+    g = torch.Generator().manual_seed(1)
+    x = inputs(n, 1)
+    fin = torch.isfinite(x)
+    rows = random_segments(x.numel(), g)
+    # residuals: zeros, -0, half-ulp sized values, subnormals
+    res = torch.where(fin, (torch.rand(x.shape, generator=g) - 0.5) * x.abs() * 2**-8, 0.0)
+    res[::5] = 0.0
+    res[1::7] = -0.0
+    res[2::11] = TINY_SUB * 3
+    res = res.to(residual_dtype)
+    ref_res = res.clone()
+    for step in range(3):
+        out = torch.zeros(x.shape, dtype=torch.bfloat16)
+        fused.cast_flat("error_feedback", x, out, rows, res, backend=backend)
+        want, ref_res = reference("error_feedback", x, rows, ref_res)
+        assert_same_bits(out, want)
+        assert torch.equal(bits(res), bits(ref_res)), f"residual bits differ at step {step}"
+        x = torch.where(fin, x + 1e-6 * x.abs(), x)  # a small update between steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_stays_nan_with_sign_and_inf_saturation(backend):
+    """The kernels' own rules where the reference leaves torch free: NaN -> quiet NaN, sign kept."""
+    x = special_values()
+    key = derive_key(0, 0, "edge")
+    out, res = torch.empty(x.shape, dtype=torch.bfloat16), torch.zeros(x.shape)
+    for method in fused.METHODS:
+        fused.cast_flat(method, x, out, [(0, x.numel(), 3, *key)], res, backend=backend)
+        nan = torch.isnan(x)
+        assert torch.isnan(out[nan]).all() and torch.isfinite(out[torch.isfinite(x)]).all()
+        assert torch.equal(torch.signbit(out), torch.signbit(x))
+        assert torch.equal(bits(out)[nan], (bits(x)[nan] >> 16).to(torch.int16) | 0x40)
+        assert out[~nan].float().abs().max() == math.inf and out[torch.isfinite(x)].float().abs().max() == BF16_MAX
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_untouched_outside_segments_and_empty_table(backend):
+    x = torch.randn(100)
+    out = torch.full((100,), 7.0, dtype=torch.bfloat16)
+    res = torch.full((100,), 0.5)
+    fused.cast_flat("error_feedback", x, out, [(10, 20, 0, 0, 0)], res, backend=backend)
+    assert (out[:10] == 7).all() and (out[30:] == 7).all() and (res[:10] == 0.5).all() and (res[30:] == 0.5).all()
+    fused.cast_flat("stochastic", x, out, torch.zeros(0, 5, dtype=torch.int64), backend=backend)
+    assert (out[:10] == 7).all()
+
+
+def test_cpu_kernel_thread_count_does_not_change_bits():
+    x = inputs(1 << 18, 3)
+    rows = random_segments(x.numel(), torch.Generator().manual_seed(3))
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(fused.cast_flat("stochastic", x, torch.zeros(x.shape, dtype=torch.bfloat16), rows,
+                                        backend="cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(bits(outs[0]), bits(outs[1])) and torch.equal(bits(outs[0]), bits(outs[2]))
+
+
+@pytest.mark.parametrize("rows,match", [
+    ([(0, 11, 0, 0, 0)], "out of range"),
+    ([(-1, 2, 0, 0, 0)], "out of range"),
+    ([(0, 2, -5, 0, 0)], "out of range"),
+    ([(0, 2, 0, 2**32, 0)], "out of range"),
+    ([(0, 5, 0, 0, 0), (4, 3, 0, 0, 0)], "overlap"),
+])
+def test_bad_segments_are_named(rows, match):
+    with pytest.raises(ValueError, match=match):
+        fused.cast_flat("stochastic", torch.zeros(10), torch.zeros(10, dtype=torch.bfloat16), rows)
+
+
+def test_bad_arguments_are_named():
+    x, out = torch.zeros(10), torch.zeros(10, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="method must be one of"):
+        fused.cast_flat("nearest", x, out, [])
+    with pytest.raises(ValueError, match="needs a residual"):
+        fused.cast_flat("error_feedback", x, out, [])
+    with pytest.raises(TypeError, match="out must be a contiguous 1-D"):
+        fused.cast_flat("stochastic", x, out.float(), [])
+    with pytest.raises(TypeError, match="master must be a contiguous 1-D"):
+        fused.cast_flat("stochastic", torch.zeros(20)[::2], out, [])
+    with pytest.raises(ValueError, match="fused backend must be one of"):
+        fused.cast_flat("stochastic", x, out, [], backend="cuda")
+    with pytest.raises(ValueError, match=r"must be \[S, 5\]"):
+        fused.segment_table(torch.zeros(3, 4, dtype=torch.int64))
+
+
+@pytest.mark.skipif(not _triton_ok(), reason="triton is not installed")
+def test_triton_philox_known_answers():
+    """Random123 kat_vectors through the kernel's own Philox (uint32 words, tl.umulhi)."""
+    from faircast_dist import fused_triton
+    for counter, key, expected in KAT:
+        ctr = torch.tensor([counter] * 2, dtype=torch.int64)
+        assert tuple(fused_triton.philox4x32_10(ctr, key)[0].tolist()) == expected
+    g = torch.Generator().manual_seed(0)
+    ctr = torch.randint(0, 2**32, (64, 4), generator=g, dtype=torch.int64)
+    key = (0xDEADBEEF, 0x01234567)
+    assert [tuple(r) for r in fused_triton.philox4x32_10(ctr, key).tolist()] == \
+        [python_philox(r, key) for r in ctr.tolist()]
+
+
+def test_index_runs():
+    index = torch.tensor([5, 6, 7, 100, 101, 3, 9, 10])
+    assert fused.index_runs(index, start=2).tolist() == [[2, 3, 5], [5, 2, 100], [7, 1, 3], [8, 2, 9]]
+
+
+@pytest.mark.parametrize("method", ["nearest", "stochastic", "error_feedback", "dithered"])
+def test_caster_cast_flat_equals_cast_per_fragment(method):
+    """FairCaster.cast_flat (one fused call) == FairCaster.cast on each fragment, at two steps."""
+    from faircast_dist import FairCaster
+    config = {"mode": "fair" if method != "nearest" else "nearest",
+              "method": method if method != "nearest" else "stochastic", "seed": 3}
+    flat_caster, ref_caster = FairCaster(config), FairCaster(config)
+    x = inputs(1 << 12, 5)
+    frags = [("a.weight", 0, 1000, 17), ("b.weight", 1000, 2000, 2**33 + 3), ("a.weight", 3100, 900, 1017)]
+    res = torch.full(x.shape, 1e-3)
+    ref_res = res.clone()
+    for _ in range(2):
+        out = torch.zeros(x.shape, dtype=torch.bfloat16)
+        flat_caster.cast_flat(x, out, frags, res)
+        want = torch.zeros(x.shape, dtype=torch.bfloat16)
+        for name, start, numel, index in frags:
+            s = slice(start, start + numel)
+            ref_caster.cast(name, x[s], index, out=want[s], residual=ref_res[s])
+        assert_same_bits(out, want)
+        assert torch.equal(res, ref_res)
+        flat_caster.advance()
+        ref_caster.advance()
+    if method == "error_feedback":
+        with pytest.raises(ValueError, match="needs the buffer's residual"):
+            flat_caster.cast_flat(x, out, frags)
+
+
+def test_without_a_compiler_the_reference_runs_after_one_warning(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no c++ compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(fused, "_CPU", {})
+    monkeypatch.delenv(fused.BACKEND_ENV, raising=False)
+    x, key = inputs(1 << 10, 2), derive_key(1, 1, "w")
+    with pytest.warns(RuntimeWarning, match="falling back to the plain-torch reference"):
+        assert fused.resolve_backend(torch.device("cpu")) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # only one warning
+        out = fused.cast_flat("stochastic", x, torch.empty(x.shape, dtype=torch.bfloat16), [(0, x.numel(), 5, *key)])
+    assert_same_bits(out, cast_stochastic(x, key, 5))
