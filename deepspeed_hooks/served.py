@@ -38,14 +38,21 @@ def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, t
     if not any(hasattr(p, "ds_id") for _, p in params):
         yield from ((n, p.detach()) for n, p in params)
         return
+    for bucket in _zero3_buckets(params, bucket_bytes):
+        with deepspeed.zero.GatheredParameters([q for _, q in bucket]):
+            copies = [(n, q.detach().clone()) for n, q in bucket]
+        yield from copies
+
+
+def _zero3_buckets(params, bucket_bytes: int):
+    """Consecutive lists of ``(name, ZeRO-3 param)`` of at least ``bucket_bytes`` of bf16 each
+    (the last one may be smaller; one param may take a bucket past the limit)."""
     bucket, size = [], 0
     for i, (name, p) in enumerate(params):
         bucket.append((name, p))
         size += p.ds_numel * 2
         if size >= bucket_bytes or i == len(params) - 1:
-            with deepspeed.zero.GatheredParameters([q for _, q in bucket]):
-                copies = [(n, q.detach().clone()) for n, q in bucket]
-            yield from copies
+            yield bucket
             bucket, size = [], 0
 
 
@@ -77,13 +84,8 @@ def served_deltas(engine, tracker: DeltaTracker,
         for name, p in params:
             yield (name, *tracker.diff(name, p.detach()))
         return
-    bucket, size = [], 0
-    for i, (name, p) in enumerate(params):
-        bucket.append((name, p))
-        size += p.ds_numel * 2
-        if size >= bucket_bytes or i == len(params) - 1:
-            yield from _zero3_deltas(bucket, tracker)
-            bucket, size = [], 0
+    for bucket in _zero3_buckets(params, bucket_bytes):
+        yield from _zero3_deltas(bucket, tracker)
 
 
 @torch.no_grad()
