@@ -491,7 +491,8 @@ def compare_arms(scores: dict[int, dict[str, float]], tie_band: float, baseline:
     Args:
         scores: ``{pair: {arm: score in points}}`` (:func:`arm_scores`); every pair must score the baseline.
         tie_band: an arm wins a pair when ``score - baseline >= tie_band``, loses when
-            ``<= -tie_band``, else ties (points; declared before running).
+            ``<= -tie_band``, else ties (points; declared before running); an equal score always ties
+            (with ``tie_band`` 0 too).
 
     Returns:
         ``{arm: {"wins", "ties", "losses": int, "mean_gain": mean of score - baseline (points),
@@ -509,8 +510,7 @@ def compare_arms(scores: dict[int, dict[str, float]], tie_band: float, baseline:
         for arm, score in arms.items():
             d = out.setdefault(arm, dict(wins=0, ties=0, losses=0, gains=[], scores=[]))
             gain = score - arms[baseline]
-            d["wins" if gain >= tie_band and arm != baseline else "losses" if gain <= -tie_band and arm != baseline
-              else "ties"] += 1
+            d["wins" if gain >= tie_band and gain > 0 else "losses" if gain <= -tie_band and gain < 0 else "ties"] += 1
             d["gains"].append(gain)
             d["scores"].append(score)
     return {arm: dict(wins=d["wins"], ties=d["ties"], losses=d["losses"], pairs=len(d["gains"]),

@@ -27,6 +27,9 @@ def test_compare_arms_counts_wins_ties_losses_against_nearest_with_the_tie_band(
     assert t["error_feedback"]["mean_gain"] == pytest.approx((-0.5 - 2.0 + 10.0) / 3)
     assert (t["nearest"]["ties"], t["nearest"]["mean_gain"]) == (3, 0.0)
     assert rl_grpo.compare_arms(scores, tie_band=0.0)["error_feedback"]["ties"] == 0
+    # an equal score ties even with a zero band (held-out accuracy moves in steps of 1/eval_size: equal is common)
+    even = rl_grpo.compare_arms({0: {"nearest": 50.0, "stochastic": 50.0}, 1: {"nearest": 50.0, "stochastic": 49.0}}, 0.0)
+    assert (even["stochastic"]["wins"], even["stochastic"]["ties"], even["stochastic"]["losses"]) == (0, 1, 1)
     with pytest.raises(ValueError, match="pair 3 has no 'nearest'"):
         rl_grpo.compare_arms({3: {"stochastic": 1.0}}, tie_band=1.0)
     with pytest.raises(ValueError, match="tie_band"):
