@@ -16,7 +16,7 @@ rollouts (HF ``generate``, bf16, temperature 1, no top-k/top-p) and records thei
 
 GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300): G completions per prompt, advantage
 (r - mean_group) / (std_group + 1e-4), token-level PPO-clip loss (sum over all response tokens of
-the batch / their count, as in DAPO arXiv 2503.14476) with ratio p_trainer / p_behaviour, where
+the minibatch on all ranks / their count, as in DAPO arXiv 2503.14476) with ratio p_trainer / p_behaviour, where
 p_behaviour is the served policy that sampled the rollout and p_trainer the trainer's forward on
 its bf16 model; no KL term. Task: reasoning-gym chain_sum (2 terms, 1 digit), reward 1 when the last
 integer of the completion is the exact answer (``score_answer`` == 1), else 0. Held-out: a fixed set
@@ -334,18 +334,23 @@ def token_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              clip: float) -> tuple[torch.Tensor, float]:
-    """Token-level PPO-clip loss and the fraction of clipped tokens.
+              clip: float, n_tokens: float | None = None) -> tuple[torch.Tensor, float]:
+    """Token-level PPO-clip loss (sum over the masked tokens / ``n_tokens``) and the fraction of this
+    mask's tokens that were clipped.
 
     Args:
         logp, behaviour_logp: float32 ``[B, T]``; advantages: float32 ``[B]``; mask: bool ``[B, T]``.
+        n_tokens: the normaliser; None: ``mask.sum()``. Under data parallelism pass the masked tokens
+            of the minibatch over all ranks / the world size: DeepSpeed averages the ranks' gradients,
+            so every token of the global minibatch then weighs the same (DAPO's token-level mean),
+            however the completion lengths fall across ranks.
     """
     ratio = torch.exp(logp - behaviour_logp)
     adv = advantages[:, None]
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     n = mask.sum().clamp_min(1)
     clipped = ((ratio - 1).abs() > clip) & mask
-    return (loss * mask).sum() / n, float(clipped.sum() / n)
+    return (loss * mask).sum() / (n if n_tokens is None else n_tokens), float(clipped.sum() / n)
 
 
 def count_correct(rollout: RolloutEngine, task: Task, dataset, indices: Iterable[int], max_new_tokens: int) -> float:
@@ -439,8 +444,10 @@ def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, ba
         for chunk in torch.arange(len(rewards)).chunk(args.minibatches):
             ids, attn = roll["ids"][chunk], roll["attention_mask"][chunk]
             logits = engine(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+            n_tokens = roll["mask"][chunk].sum().double().reshape(1)
+            dist.all_reduce(n_tokens)  # the minibatch's tokens on all ranks: a token-level mean over all of them
             loss, clipped = grpo_loss(token_logp(logits, ids), roll["logp"][chunk], advantages[chunk],
-                                      roll["mask"][chunk], args.clip)
+                                      roll["mask"][chunk], args.clip, n_tokens.item() / world)
             engine.backward(loss)
             t0 = time.perf_counter()
             engine.step()

@@ -56,6 +56,10 @@ def test_group_advantages_and_clipped_loss():
     assert logp.grad[0, 1] == 0 and logp.grad[0, 0] < 0 and logp.grad[0, 2] < 0
     assert frac == pytest.approx(2 / 3)
     assert loss.item() == pytest.approx(-(1.0 + 1.2 + torch.exp(torch.tensor(-0.5)).item()) / 3)
+    # under data parallelism: the sum over this rank's tokens / (all ranks' tokens / world)
+    mask = torch.tensor([[True, True, False]])
+    loss, frac = rl_grpo.grpo_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 0.2, n_tokens=2.5)
+    assert loss.item() == pytest.approx(-(1.0 + 1.2) / 2.5) and frac == pytest.approx(1 / 2)
 
 
 def test_rollout_engine_load_weights_names_the_bad_param():
