@@ -269,9 +269,9 @@ class RolloutEngine:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-        cfg = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=0, top_p=1.0,
-                               max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
-                               return_dict_in_generate=True, output_logits=True)
+        sampling = {} if greedy else dict(temperature=1.0, top_k=0, top_p=1.0)  # greedy: unused, HF would warn
+        cfg = GenerationConfig(do_sample=not greedy, **sampling, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
+                               pad_token_id=self.pad, return_dict_in_generate=True, output_logits=True)
         out = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=cfg)
         new = out.sequences[:, width:]
         steps = new.shape[1]
