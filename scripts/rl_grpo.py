@@ -16,9 +16,9 @@ rollouts (HF ``generate``, bf16, temperature 1, no top-k/top-p) and records thei
 
 GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300): G completions per prompt, advantage
 (r - mean_group) / (std_group + 1e-4), token-level PPO-clip loss (sum over all response tokens of
-the minibatch on all ranks / their count, as in DAPO arXiv 2503.14476) with ratio p_trainer / p_behaviour, where
-p_behaviour is the served policy that sampled the rollout and p_trainer the trainer's forward on
-its bf16 model; no KL term. Task: reasoning-gym chain_sum (2 terms, 1 digit), reward 1 when the last
+the minibatch on all ranks / their count, as in DAPO arXiv 2503.14476) with ratio
+p_trainer / p_behaviour, where p_behaviour is the served policy that sampled the rollout and
+p_trainer the trainer's forward on its bf16 model; no KL term. Task: reasoning-gym chain_sum (2 terms, 1 digit), reward 1 when the last
 integer of the completion is the exact answer (``score_answer`` == 1), else 0. Held-out: a fixed set
 (seed 1000003) scored greedily with the served policy every ``--eval-every`` steps.
 
