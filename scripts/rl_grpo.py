@@ -16,9 +16,9 @@ rollouts (HF ``generate``, bf16, temperature 1, no top-k/top-p) and records thei
 
 GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300): G completions per prompt, advantage
 (r - mean_group) / (std_group + 1e-4), token-level PPO-clip loss (sum over all response tokens of
-the batch / their count, as in DAPO arXiv 2503.14476) with ratio p_trainer / p_behaviour, where
-p_behaviour is the served policy that sampled the rollout and p_trainer the trainer's forward on
-its bf16 model; no KL term. Task: reasoning-gym chain_sum (2 terms, 1 digit), reward 1 when the last
+the minibatch on all ranks / their count, as in DAPO arXiv 2503.14476) with ratio
+p_trainer / p_behaviour, where p_behaviour is the served policy that sampled the rollout and
+p_trainer the trainer's forward on its bf16 model; no KL term. Task: reasoning-gym chain_sum (2 terms, 1 digit), reward 1 when the last
 integer of the completion is the exact answer (``score_answer`` == 1), else 0. Held-out: a fixed set
 (seed 1000003) scored greedily with the served policy every ``--eval-every`` steps.
 
@@ -97,15 +97,23 @@ def parse_args(argv=None):
     tiny = args.model == "tiny"
     args.steps = args.steps if args.steps is not None else (40 if tiny else 20)
     args.lr = args.lr if args.lr is not None else (2e-5 if tiny else 1e-6)
-    args.max_new_tokens = args.max_new_tokens or (4 if tiny else 24)
+    args.max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (4 if tiny else 24)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in args.arms if a not in METHODS]
     if bad or BASELINE not in args.arms or len(set(args.arms)) != len(args.arms):
         p.error(f"--arms {','.join(args.arms)}: each arm must be one of {METHODS}, once, and {BASELINE!r} "
                 f"must be among them (unknown: {bad})")
-    for name in ("pairs", "steps", "prompts", "group", "minibatches", "eval_size", "eval_every", "eval_last"):
+    for name in ("pairs", "steps", "prompts", "group", "minibatches", "max_new_tokens", "eval_size", "eval_every",
+                 "eval_last", "lag_sample", "warm_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("tie_band", "warm_steps", "weight_decay", "max_lag"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0 < args.clip < 1:
+        p.error(f"--clip must be in (0, 1), got {args.clip}")
+    if args.lr <= 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
     if (args.prompts * args.group) % args.minibatches:
         p.error(f"--minibatches {args.minibatches} must divide --prompts x --group = {args.prompts * args.group}")
     return args
@@ -210,13 +218,22 @@ class RolloutEngine:
     """A separate bf16 copy of the policy that samples rollouts; it gets weights only via load_weights.
 
     Args:
-        model: the policy (any dtype); deep-copied and cast to bf16 here (its weights are replaced
-            by the first :meth:`load_weights` anyway).
+        model: the policy (any dtype); deep-copied, its parameters cast to bf16 here (their values
+            are replaced by the first :meth:`load_weights` anyway). Buffers keep their dtype, as in
+            DeepSpeed's bf16 trainer (RoPE ``inv_freq`` stays fp32: rounded to bf16 it would shift
+            every rotary phase and make the served policy a different function of the same weights).
         eos, pad: token ids.
     """
 
     def __init__(self, model, eos: int, pad: int):
-        self.model = copy.deepcopy(model).to(torch.bfloat16).eval()
+        from transformers import GenerationConfig
+        self.model = copy.deepcopy(model).eval()
+        for p in self.model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        # generate() fills every field our GenerationConfig leaves unset from the model's own
+        # generation_config (a checkpoint's repetition_penalty, suppress_tokens, min_p, ...), which
+        # would reshape the sampling distribution while the recorded log-probs stay the raw softmax
+        self.model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
         self.params = dict(self.model.named_parameters())
         self.eos, self.pad = eos, pad
 
@@ -252,9 +269,9 @@ class RolloutEngine:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-        cfg = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=0, top_p=1.0,
-                               max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
-                               return_dict_in_generate=True, output_logits=True)
+        sampling = {} if greedy else dict(temperature=1.0, top_k=0, top_p=1.0)  # greedy: unused, HF would warn
+        cfg = GenerationConfig(do_sample=not greedy, **sampling, max_new_tokens=max_new_tokens, eos_token_id=self.eos,
+                               pad_token_id=self.pad, return_dict_in_generate=True, output_logits=True)
         out = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=cfg)
         new = out.sequences[:, width:]
         steps = new.shape[1]
@@ -278,13 +295,26 @@ def sync_weights(engine, rollout: RolloutEngine) -> None:
     rollout.load_weights(served_weights(engine))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits of ``t``, flat, as the signed integer type of its element size."""
+    return t.reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def check_synced(engine, rollout: RolloutEngine, where: str) -> None:
-    """Raise RuntimeError naming the first param whose rollout-engine bits differ from the trainer's."""
-    for name, p in engine.module.named_parameters():
-        if not torch.equal(p.detach().view(torch.int16), rollout.params[name].view(torch.int16)):
-            diff = int((p.detach().view(torch.int16) != rollout.params[name].view(torch.int16)).sum())
+    """Raise RuntimeError naming the first param or buffer whose rollout-engine dtype or bits differ from the
+    trainer's (``engine.module``)."""
+    mine = dict(rollout.model.named_buffers())
+    for name, t in [*engine.module.named_parameters(), *engine.module.named_buffers()]:
+        theirs = rollout.params.get(name, mine.get(name))
+        if theirs is None or theirs.dtype != t.dtype or theirs.shape != t.shape:
+            raise RuntimeError(f"{where}: the rollout engine's {name!r} is "
+                               f"{'missing' if theirs is None else f'{theirs.dtype} {tuple(theirs.shape)}'}; the "
+                               f"trainer's is {t.dtype} {tuple(t.shape)}")
+        a, b = _bits(t.detach()), _bits(theirs)
+        if not torch.equal(a, b):
+            diff = int((a != b).sum())
             raise RuntimeError(f"{where}: the rollout engine's {name!r} differs from the trainer's bf16 model in "
-                               f"{diff} of {p.numel()} elements (the engine must serve exactly what the trainer serves)")
+                               f"{diff} of {t.numel()} elements (the engine must serve exactly what the trainer serves)")
 
 
 # ----------------------------------------------------------------------------- GRPO
@@ -304,18 +334,33 @@ def token_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              clip: float) -> tuple[torch.Tensor, float]:
-    """Token-level PPO-clip loss and the fraction of clipped tokens.
+              clip: float, n_tokens: float | None = None) -> tuple[torch.Tensor, float]:
+    """Token-level PPO-clip loss (sum over the masked tokens / ``n_tokens``) and the fraction of this
+    mask's tokens that were clipped.
 
     Args:
         logp, behaviour_logp: float32 ``[B, T]``; advantages: float32 ``[B]``; mask: bool ``[B, T]``.
+        n_tokens: the normaliser; None: ``mask.sum()``. Under data parallelism pass the masked tokens
+            of the minibatch over all ranks / the world size: DeepSpeed averages the ranks' gradients,
+            so every token of the global minibatch then weighs the same (DAPO's token-level mean),
+            however the completion lengths fall across ranks.
     """
     ratio = torch.exp(logp - behaviour_logp)
     adv = advantages[:, None]
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     n = mask.sum().clamp_min(1)
     clipped = ((ratio - 1).abs() > clip) & mask
-    return (loss * mask).sum() / n, float(clipped.sum() / n)
+    return (loss * mask).sum() / (n if n_tokens is None else n_tokens), float(clipped.sum() / n)
+
+
+def count_correct(rollout: RolloutEngine, task: Task, dataset, indices: Iterable[int], max_new_tokens: int) -> float:
+    """Number of ``dataset[i]`` (i in ``indices``) the rollout engine answers right, greedily; 0.0 for none
+    (a rank whose share of a held-out set smaller than the world is empty)."""
+    entries = [dataset[i] for i in indices]
+    if not entries:
+        return 0.0
+    out = rollout.generate([task.prompt(e) for e in entries], max_new_tokens, greedy=True)
+    return sum(task.reward(dataset, e, task.decode(c)) for e, c in zip(entries, out["completions"]))
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -362,9 +407,8 @@ def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, ba
         return torch.cat([params[n].detach().reshape(-1) for n in names]).clone()
 
     def evaluate() -> float:
-        mine = [eval_set[i] for i in range(rank, len(eval_set), world)]
-        out = rollout.generate([task.prompt(e) for e in mine], args.max_new_tokens, greedy=True)
-        right = torch.tensor([sum(task.reward(eval_set, e, task.decode(c)) for e, c in zip(mine, out["completions"]))])
+        right = torch.tensor([count_correct(rollout, task, eval_set, range(rank, len(eval_set), world),
+                                            args.max_new_tokens)])
         dist.all_reduce(right)
         return 100.0 * right.item() / len(eval_set)
 
@@ -400,8 +444,10 @@ def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, ba
         for chunk in torch.arange(len(rewards)).chunk(args.minibatches):
             ids, attn = roll["ids"][chunk], roll["attention_mask"][chunk]
             logits = engine(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+            n_tokens = roll["mask"][chunk].sum().double().reshape(1)
+            dist.all_reduce(n_tokens)  # the minibatch's tokens on all ranks: a token-level mean over all of them
             loss, clipped = grpo_loss(token_logp(logits, ids), roll["logp"][chunk], advantages[chunk],
-                                      roll["mask"][chunk], args.clip)
+                                      roll["mask"][chunk], args.clip, n_tokens.item() / world)
             engine.backward(loss)
             t0 = time.perf_counter()
             engine.step()
@@ -452,7 +498,8 @@ def compare_arms(scores: dict[int, dict[str, float]], tie_band: float, baseline:
     Args:
         scores: ``{pair: {arm: score in points}}`` (:func:`arm_scores`); every pair must score the baseline.
         tie_band: an arm wins a pair when ``score - baseline >= tie_band``, loses when
-            ``<= -tie_band``, else ties (points; declared before running).
+            ``<= -tie_band``, else ties (points; declared before running); an equal score always ties
+            (with ``tie_band`` 0 too).
 
     Returns:
         ``{arm: {"wins", "ties", "losses": int, "mean_gain": mean of score - baseline (points),
@@ -470,8 +517,7 @@ def compare_arms(scores: dict[int, dict[str, float]], tie_band: float, baseline:
         for arm, score in arms.items():
             d = out.setdefault(arm, dict(wins=0, ties=0, losses=0, gains=[], scores=[]))
             gain = score - arms[baseline]
-            d["wins" if gain >= tie_band and arm != baseline else "losses" if gain <= -tie_band and arm != baseline
-              else "ties"] += 1
+            d["wins" if gain >= tie_band and gain > 0 else "losses" if gain <= -tie_band and gain < 0 else "ties"] += 1
             d["gains"].append(gain)
             d["scores"].append(score)
     return {arm: dict(wins=d["wins"], ties=d["ties"], losses=d["losses"], pairs=len(d["gains"]),

@@ -27,6 +27,9 @@ def test_compare_arms_counts_wins_ties_losses_against_nearest_with_the_tie_band(
     assert t["error_feedback"]["mean_gain"] == pytest.approx((-0.5 - 2.0 + 10.0) / 3)
     assert (t["nearest"]["ties"], t["nearest"]["mean_gain"]) == (3, 0.0)
     assert rl_grpo.compare_arms(scores, tie_band=0.0)["error_feedback"]["ties"] == 0
+    # an equal score ties even with a zero band (held-out accuracy moves in steps of 1/eval_size: equal is common)
+    even = rl_grpo.compare_arms({0: {"nearest": 50.0, "stochastic": 50.0}, 1: {"nearest": 50.0, "stochastic": 49.0}}, 0.0)
+    assert (even["stochastic"]["wins"], even["stochastic"]["ties"], even["stochastic"]["losses"]) == (0, 1, 1)
     with pytest.raises(ValueError, match="pair 3 has no 'nearest'"):
         rl_grpo.compare_arms({3: {"stochastic": 1.0}}, tie_band=1.0)
     with pytest.raises(ValueError, match="tie_band"):
@@ -53,6 +56,10 @@ def test_group_advantages_and_clipped_loss():
     assert logp.grad[0, 1] == 0 and logp.grad[0, 0] < 0 and logp.grad[0, 2] < 0
     assert frac == pytest.approx(2 / 3)
     assert loss.item() == pytest.approx(-(1.0 + 1.2 + torch.exp(torch.tensor(-0.5)).item()) / 3)
+    # under data parallelism: the sum over this rank's tokens / (all ranks' tokens / world)
+    mask = torch.tensor([[True, True, False]])
+    loss, frac = rl_grpo.grpo_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 0.2, n_tokens=2.5)
+    assert loss.item() == pytest.approx(-(1.0 + 1.2) / 2.5) and frac == pytest.approx(1 / 2)
 
 
 def test_rollout_engine_load_weights_names_the_bad_param():
@@ -67,6 +74,86 @@ def test_rollout_engine_load_weights_names_the_bad_param():
         engine.load_weights([("model.norm.weight", w.float())])
     engine.load_weights([("model.norm.weight", torch.full_like(w, 2.0))])
     assert torch.equal(engine.params["model.norm.weight"], torch.full_like(w, 2.0))
+
+
+def _tiny_llama(vocab=16, **gen):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, eos_token_id=10, pad_token_id=0, bos_token_id=None)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # peaked next-token distributions, as after training
+    for k, v in gen.items():
+        setattr(model.generation_config, k, v)
+    return model
+
+
+def _trainer_copy(model):
+    """What DeepSpeed's bf16 engine trains and serves: bf16 parameters, buffers (RoPE inv_freq) kept fp32."""
+    import copy
+    trainer = copy.deepcopy(model)
+    for p in trainer.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return trainer
+
+
+def test_behaviour_logprobs_are_the_trainers_token_logprobs_of_the_same_bf16_weights():
+    """ratio p_trainer / p_behaviour == 1 on every completion token, with and without left padding."""
+    model = _tiny_llama()
+    engine, trainer = rl_grpo.RolloutEngine(model, eos=10, pad=0), _trainer_copy(model)
+    for name, buf in model.named_buffers():  # RoPE inv_freq stays fp32, as in the DeepSpeed trainer
+        mine = dict(engine.model.named_buffers())[name]
+        assert mine.dtype == buf.dtype and torch.equal(mine, buf), name
+    rl_grpo.check_synced(type("E", (), {"module": trainer})(), engine, "start")  # same params and buffers
+    for prompts in ([[5, 6, 7] * 4] * 4, [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7] * 3] * 2):
+        torch.manual_seed(1)
+        roll = engine.generate(prompts, max_new_tokens=24)
+        attn = roll["attention_mask"]
+        with torch.no_grad():
+            logits = trainer(roll["ids"], attention_mask=attn, position_ids=rl_grpo.position_ids(attn)).logits
+        logp = rl_grpo.token_logp(logits, roll["ids"])
+        assert roll["mask"].sum() > 20 and (roll["logp"][roll["mask"]] < -0.01).any()  # real samples
+        # bf16 kernel noise only (cached decoding vs one forward: other GEMM shapes); an off-by-one
+        # position, ignored left padding or a bf16-rounded RoPE inv_freq gives 0.05-10
+        assert (logp - roll["logp"])[roll["mask"]].abs().max() < 0.02
+        assert (roll["logp"][~roll["mask"]] == 0).all()
+
+
+def test_check_synced_compares_buffers_too():
+    model = _tiny_llama()
+    engine, trainer = rl_grpo.RolloutEngine(model, eos=10, pad=0), _trainer_copy(model)
+    trainer.model.rotary_emb.inv_freq.mul_(1 + 2**-20)
+    with pytest.raises(RuntimeError, match="'model.rotary_emb.inv_freq' differs .* in 8 of 8 elements"):
+        rl_grpo.check_synced(type("E", (), {"module": trainer})(), engine, "here")
+
+
+def test_rollout_engine_samples_the_full_softmax_whatever_the_models_generation_config_says():
+    """A checkpoint's generation_config (suppress_tokens, repetition_penalty, min_p, ...) must not reshape
+    the sampling distribution behind the recorded (raw softmax) log-probs."""
+    model = _tiny_llama(suppress_tokens=[t for t in range(16) if t != 10], repetition_penalty=3.0, min_p=0.5)
+    engine = rl_grpo.RolloutEngine(model, eos=10, pad=0)
+    torch.manual_seed(0)
+    roll = engine.generate([[5, 6, 7]] * 64, max_new_tokens=3)
+    assert (roll["ids"][:, 3:][roll["mask"][:, 2:]] != 10).any()  # not only the unsuppressed EOS
+
+
+def test_count_correct_on_an_empty_share_of_the_held_out_set():
+    """A rank's share of a held-out set smaller than the world is empty: it scores 0, no generate([])."""
+    task = rl_grpo.Task("tiny")
+    engine = rl_grpo.RolloutEngine(_tiny_llama(vocab=256), eos=task.eos, pad=task.pad)
+    data = task.problems(1, seed=0)
+    assert rl_grpo.count_correct(engine, task, data, range(1, 1, 2), 4) == 0
+    assert 0 <= rl_grpo.count_correct(engine, task, data, range(0, 1, 2), 4) <= 1
+
+
+@pytest.mark.parametrize("argv", [["--max-new-tokens", "0"], ["--tie-band", "-1"], ["--clip", "0"],
+                                  ["--warm-steps", "-1"], ["--lr", "0"], ["--arms", "stochastic"],
+                                  ["--minibatches", "3"]])
+def test_parse_args_rejects_bad_values_before_running(argv, capsys):
+    with pytest.raises(SystemExit):
+        rl_grpo.parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
 
 
 def _launch(script, tmp_path, *extra):
