@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import pytest
 import torch
 
-from faircast_dist import block_index, cast_error_feedback, cast_stochastic, derive_key, fused
+from faircast_dist import block_index, cast_stochastic, derive_key, fused
 from faircast_dist.rounding import BF16_MAX
 from test_philox import KAT, python_philox
 from test_rounding import TINY_SUB, random_fp32_patterns
