@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import time
 
@@ -232,26 +233,35 @@ class OptimizerExport:
                 fp32 master weights.
 
         Returns:
-            ``{param name: float32 tensor, flattened, of the param's full numel}``; params no
-            group holds on any rank are absent.
+            ``{param name: float32 CPU tensor, flattened, of the param's full numel}``, bit for
+            bit, for every param (zeros for a param no group holds, e.g. a frozen one).
+
+        Collectives: one int32 ``all_reduce`` over group 0's DP group of a buffer of the whole
+        model's elements, on the communication device (DeepSpeed's accelerator: CUDA under NCCL,
+        also for ZeRO-Offload's host partitions); every element has one non-zero contribution,
+        so the integer sum is that element's bits (-0.0 and NaN payloads kept).
         """
+        from deepspeed.accelerator import get_accelerator
         pieces: dict[str, list] = {}
-        for i, (hp, fragments) in enumerate(self.groups()):
+        for hp, fragments in self.groups():
             source = hp if key is None else self.state(hp).get(key)
+            if source is None:
+                continue
             for f in fragments:
-                pieces.setdefault(f.name, []).append((i, f, None if source is None else source.view(-1)))
+                pieces.setdefault(f.name, []).append((f, source.view(-1)))
         numel = {self.param_names[p]: p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                  for p in self.param_names}
-        out = {}
-        for name in sorted(numel):  # the same order on every rank
-            full = torch.zeros(numel[name], dtype=torch.float32)
-            for i, f, src in pieces.get(name, []):
-                if src is not None:
-                    full.narrow(0, f.index, f.numel).copy_(src.narrow(0, f.start, f.numel))
-            if not self.replicated:
-                dist.all_reduce(full, group=self.dp_group(0))
-            out[name] = full
-        return out
+        names = sorted(numel)  # the same order on every rank
+        offset = dict(zip(names, [0] + list(itertools.accumulate(numel[n] for n in names))))
+        device = "cpu" if self.replicated else get_accelerator().current_device_name()
+        flat = torch.zeros(sum(numel.values()), dtype=torch.float32, device=device)
+        for name in names:
+            for f, src in pieces.get(name, []):
+                flat.narrow(0, offset[name] + f.index, f.numel).copy_(src.narrow(0, f.start, f.numel))
+        if not self.replicated:
+            dist.all_reduce(flat.view(torch.int32), group=self.dp_group(0))
+        flat = flat.cpu()
+        return {name: flat.narrow(0, offset[name], numel[name]).clone() for name in names}
 
 
 def _flat_out(fragments: list[Fragment]) -> torch.Tensor | None:

@@ -101,13 +101,15 @@ def _zero3_deltas(bucket, tracker: DeltaTracker):
         pn = p.ds_tensor.ds_numel
         numel = max(0, min(pn, p.ds_numel - rank * pn))
         local.append(tracker.diff(name, p.ds_tensor.data.view(-1).narrow(0, 0, numel), rank * pn, p.ds_numel))
-    device = bucket[0][1].ds_tensor.device
+    from deepspeed.accelerator import get_accelerator
+    device = get_accelerator().current_device_name()  # the communication device (NCCL: CUDA; also with param offload)
     counts = torch.tensor([len(index) for index, _ in local], dtype=torch.int64, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(world)]
     dist.all_gather(all_counts, counts, group=group)
-    longest = max(int(c.sum()) for c in all_counts)
+    host_counts = torch.stack(all_counts).tolist()  # one device -> host read per bucket: sizes for the packing
+    longest = max(sum(c) for c in host_counts)
     packed = torch.zeros(2 * longest, dtype=torch.int64, device=device)
-    total = int(counts.sum())
+    total = sum(host_counts[rank])
     if total:
         packed[:total] = torch.cat([index.to(torch.int64) for index, _ in local])
         packed[longest:longest + total] = torch.cat([values.view(torch.int16).to(torch.int64) for _, values in local])
@@ -117,7 +119,7 @@ def _zero3_deltas(bucket, tracker: DeltaTracker):
     for j, (name, p) in enumerate(bucket):
         index, values = [], []
         for r in range(world):  # rank order: ascending indices
-            c = int(all_counts[r][j])
+            c = host_counts[r][j]
             index.append(gathered[r][offsets[r]:offsets[r] + c])
             values.append(gathered[r][longest + offsets[r]:longest + offsets[r] + c])
             offsets[r] += c

@@ -127,11 +127,7 @@ class FairCaster:
         kernel = "stochastic" if keyed else "error_feedback"
         if out.device == master.device:
             return fused.cast_flat(kernel, master, out, table, residual, backend)
-        target = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
-        fused.cast_flat(kernel, master, target, table, residual, backend)
-        for _, start, numel, _ in rows:
-            out.narrow(0, start, numel).copy_(target.narrow(0, start, numel))
-        return out
+        return _cast_across(kernel, master, out, table, residual, backend)
 
     def advance(self) -> None:
         """Mark one whole-model export as done (stochastic rounding's next cast draws fresh bits)."""
@@ -158,3 +154,25 @@ class FairCaster:
         same = saved.effective_method == self.method == "error_feedback"
         dtype = RESIDUAL_DTYPES[self.config.residual_dtype]
         self.residuals = {k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()} if same else {}
+
+
+def _cast_across(kernel, master, out, table, residual, backend) -> torch.Tensor:
+    """Cast on ``master``'s device into a staging buffer, then copy the segments to ``out``'s.
+
+    ZeRO-Offload: the fp32 partition is on the host, the bf16 partition on the GPU. The staging
+    buffer is pinned there, so the copy does not block the host; segments that tile one span
+    (a flat partition) go in one copy instead of one per fragment.
+    """
+    pin = master.device.type == "cpu" and out.device.type == "cuda"
+    target = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device, pin_memory=pin)
+    fused.cast_flat(kernel, master, target, table, residual, backend)
+    spans = sorted((start, numel) for start, numel, *_ in table if numel)
+    merged = []
+    for start, numel in spans:
+        if merged and merged[-1][0] + merged[-1][1] == start:
+            merged[-1][1] += numel
+        else:
+            merged.append([start, numel])
+    for start, numel in merged:
+        out.narrow(0, start, numel).copy_(target.narrow(0, start, numel), non_blocking=pin)
+    return out

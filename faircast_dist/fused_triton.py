@@ -139,11 +139,16 @@ def tiles(table: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torc
 
 
 def cast_flat(method: str, master: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
-              residual: torch.Tensor | None = None) -> None:
-    """The Triton backend of :func:`faircast_dist.fused.cast_flat` (arguments checked there)."""
+              residual: torch.Tensor | None = None, grid: tuple | None = None) -> None:
+    """The Triton backend of :func:`faircast_dist.fused.cast_flat` (arguments checked there).
+
+    ``grid``: ``tiles(table, ...)`` already on ``master``'s device (``fused`` caches it per buffer
+    layout, with ``table`` on the device too, so a step copies and syncs nothing); None computes
+    it here, which waits for the device (``repeat_interleave`` needs its output size).
+    """
     if not available():
         raise ValueError("the triton backend needs triton >= 3.0 (`pip install triton`)")
-    seg, base = tiles(table, master.device)
+    seg, base = tiles(table, master.device) if grid is None else grid
     if seg.numel() == 0:
         return
     ef = method == "error_feedback"

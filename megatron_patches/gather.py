@@ -129,7 +129,7 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
         if sh.data.dtype not in _DTYPES:
             raise ValueError(f"{name}: local_of gave {sh.data.dtype}; expected bf16, fp16 or fp32")
         p = 0 if stacked else sh.prepend_axis_num
-        full = fulls.setdefault(name, torch.zeros(sh.global_shape[p:], dtype=torch.int32))  # on the CPU
+        full = fulls.setdefault(name, torch.zeros(sh.global_shape[p:], dtype=torch.int32, device="cpu"))
         meta[name] = (tuple(full.shape), sh.data.dtype)
         device = sh.data.device if device is None else device
         if is_main_replica(sh.replica_id):
@@ -138,10 +138,12 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
     torch.distributed.all_gather_object(everyone, meta, group=group)
     known = {k: v for d in everyone for k, v in d.items()}
     names = sorted(known)
-    flat = torch.cat([fulls.pop(n).reshape(-1) if n in fulls else torch.zeros(math.prod(known[n][0]),
-                                                                              dtype=torch.int32)
-                      for n in names])
-    flat = flat.to(device or "cpu")  # the backend's device (NCCL: cuda)
+    flat = torch.cat([fulls.pop(n).reshape(-1) if n in fulls else
+                      torch.zeros(math.prod(known[n][0]), dtype=torch.int32, device="cpu") for n in names])
+    if device is None:  # this rank holds no param: the backend's device all the same
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
+    flat = flat.to(device)  # the backend's device (NCCL: CUDA)
     if dst is None:
         torch.distributed.all_reduce(flat, group=group)  # one main copy per element: the sum is it
     else:

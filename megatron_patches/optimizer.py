@@ -148,8 +148,7 @@ class MegatronExport:
         if not self.distributed:
             return self.residuals[id(param)]
         dtype = compat_residual_dtype(self.caster)
-        device = next(iter(self.residuals.values())).device if self.residuals else param.device
-        bits = torch.zeros(param.numel(), dtype=torch.int32, device=device)
+        bits = torch.zeros(param.numel(), dtype=torch.int32, device=param.device)  # the DP group's device
         if shard is not None:
             bits[shard.start:shard.end] = _to_bits(self.residuals[id(param)])
         # disjoint ranges, zeros elsewhere: an integer sum is an exact gather
