@@ -3,6 +3,8 @@
 #   make demo   - the main job on the bundled SmolLM2-135M-Instruct (torchrun, 2 ranks, ZeRO-2)
 #   make demo-megatron - the same job on megatron-core (torchrun, 2 ranks, TP=2, --export-cast fair)
 #   make rl     - GRPO with rollouts from the served bf16 policy, arms compared in seed pairs (tiny model)
+#   make gpu-wheels    - .gpu/: the wheels a bare GPU machine lacks, for scripts/gpu_check.sh (README "GPU status")
+#   make gpu-check-cpu - scripts/gpu_check.sh --cpu: the GPU check's logic on the CPU (gloo, small sizes)
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +15,7 @@ export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 export HF_HUB_OFFLINE := 1
 
-.PHONY: test demo demo-megatron rl venv clean
+.PHONY: test demo demo-megatron rl venv clean gpu-wheels gpu-check-cpu
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -43,5 +45,11 @@ demo-megatron: $(VENV)/.demo
 rl: $(VENV)/.demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py $(RL_ARGS)
 
+gpu-wheels: $(VENV)/.test
+	PYTHON=$(PY) bash scripts/gpu_wheels.sh
+
+gpu-check-cpu: $(VENV)/.demo
+	PYTHON=$(PY) bash scripts/gpu_check.sh --cpu
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .gpu
