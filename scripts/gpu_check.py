@@ -41,9 +41,12 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+if "--cpu" in sys.argv or os.environ.get("FAIRCAST_GPU_CHECK_DEVICE") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel on the CPU (before triton is imported)
 
 import torch  # noqa: E402
 
@@ -120,8 +123,9 @@ def random_rows(n: int, g: torch.Generator, high: bool) -> list[tuple[int, int, 
 
 
 # ---------------------------------------------------------------------------------------- kernels
-def kernel_checks(device: torch.device, n: int) -> None:
+def kernel_checks(device: torch.device, n: int, backend: str = "auto") -> None:
     from faircast_dist import FairCaster, block_index, cast_error_feedback, cast_stochastic, derive_key, fused
+    os.environ[fused.BACKEND_ENV] = backend  # every cast below, FairCaster's too, uses it
     backend = fused.resolve_backend(device)
     x = fp32_patterns(n, 0)
     xd = x.to(device)
@@ -152,7 +156,7 @@ def kernel_checks(device: torch.device, n: int) -> None:
         return f"{len(rows)} segments, {where}"
 
     def strided_tp():
-        rows_, cols, tp = (1024, 4096) if device.type == "cuda" else (128, 512), 4
+        (rows_, cols), tp = (1024, 4096) if n >= 1 << 24 else (128, 512) if n >= 1 << 20 else (16, 64), 4
         w = x[:rows_ * cols].view(rows_, cols)
         key = derive_key(1, 2, "decoder.layers.0.self_attention.linear_proj.weight")
         for r, part in enumerate(w.chunk(tp, dim=1)):
@@ -218,13 +222,15 @@ def kernel_checks(device: torch.device, n: int) -> None:
         torch.cuda.synchronize()
         return "FairCaster.cast_flat SR/EF, device and offload buffers, 3 steps"
 
-    check("kernel SR 2**32-crossing shard", one_shard)
-    check("kernel SR random shards", shards, False)
-    check("kernel SR random shards, index >= 2**32", shards, True)
-    check("kernel SR strided TP blocks", strided_tp)
-    check("kernel EF fp32 residual", error_feedback, torch.float32)
-    check("kernel EF bf16 residual", error_feedback, torch.bfloat16)
-    check("kernel export without host sync", no_sync)
+    k = f"kernel[{backend}]"
+    check(f"{k} SR 2**32-crossing shard", one_shard)
+    check(f"{k} SR random shards", shards, False)
+    check(f"{k} SR random shards, index >= 2**32", shards, True)
+    check(f"{k} SR strided TP blocks", strided_tp)
+    check(f"{k} EF fp32 residual", error_feedback, torch.float32)
+    check(f"{k} EF bf16 residual", error_feedback, torch.bfloat16)
+    check(f"{k} export without host sync", no_sync)
+    del os.environ[fused.BACKEND_ENV]
 
 
 # -------------------------------------------------------------------------------------- DeepSpeed
@@ -409,14 +415,20 @@ def main(argv=None) -> int:
     versions = {"torch": torch.__version__}
     for mod in ("triton", "deepspeed", "megatron.core", "transformers"):
         try:
-            versions[mod] = __import__(mod, fromlist=["__version__"]).__version__
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # megatron-core warns about TransformerEngine / Apex
+                versions[mod] = __import__(mod, fromlist=["__version__"]).__version__
         except Exception as err:  # report, the checks that need it fail on their own
             versions[mod] = f"missing ({type(err).__name__})"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"INFO  device {name}; " + ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
     with tempfile.TemporaryDirectory(prefix="faircast-gpu-check-") as tmp:
         if "kernels" in args.only:
-            kernel_checks(torch.device(device), 1 << 24 if device == "cuda" else 1 << 20)
+            if device == "cuda":
+                kernel_checks(torch.device("cuda"), 1 << 24, "triton")
+            else:  # the compiled CPU kernel, then the Triton kernel in its interpreter (small)
+                kernel_checks(torch.device("cpu"), 1 << 20, "cpu")
+                kernel_checks(torch.device("cpu"), 1 << 12, "triton")
         if "deepspeed" in args.only:
             deepspeed_checks(device, tmp, args.jobs or (8 if device == "cuda" else 2))
         if "megatron" in args.only:

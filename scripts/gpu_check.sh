@@ -13,7 +13,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 SITE=/tmp/faircast-site
-if [ -d .gpu/wheels ]; then
+CPU=0
+case " $* " in *" --cpu "*) CPU=1 ;; esac
+[ "${FAIRCAST_GPU_CHECK_DEVICE:-}" = cpu ] && CPU=1
+[ "$CPU" = 1 ] && SITE=""  # the CPU form uses this machine's own environment (make test's)
+if [ -n "$SITE" ] && [ -d .gpu/wheels ]; then
     mkdir -p "$SITE"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/wheels/*.whl
     for sdist in .gpu/wheels/*.tar.gz; do
@@ -21,10 +25,10 @@ if [ -d .gpu/wheels ]; then
             --upgrade --target "$SITE" "$sdist"
     done
 fi
-if [ -d .gpu/model1 ]; then  # the first of the two calls that bring the model: keep part 1 on the machine
+if [ -n "$SITE" ] && [ -d .gpu/model1 ]; then  # the first of the two calls that bring the model: keep part 1 on the machine
     mkdir -p /tmp/faircast-parts && cp .gpu/model1/* /tmp/faircast-parts/
 fi
-if [ -d .gpu/model2 ] && ls /tmp/faircast-parts/* >/dev/null 2>&1; then
+if [ -n "$SITE" ] && [ -d .gpu/model2 ] && ls /tmp/faircast-parts/* >/dev/null 2>&1; then
     whl=/tmp/faircast-model/$(cat .gpu/model2/NAME)
     mkdir -p /tmp/faircast-model && cat /tmp/faircast-parts/part-* .gpu/model2/part-* > "$whl"
     (cd /tmp/faircast-model && sha256sum -c "$OLDPWD/.gpu/model2/SHA256SUMS")
