@@ -100,6 +100,11 @@ def _check_buffers(method, master, out, residual):
             raise ValueError(f"{name} is on {t.device}, master on {master.device}")
 
 
+def _size(master, out, residual) -> int:
+    """Elements every buffer has (segments must lie below it)."""
+    return min(master.numel(), out.numel(), master.numel() if residual is None else residual.numel())
+
+
 def _check_rows(table: torch.Tensor, size: int) -> None:
     """Every row inside ``[0, size)``, indices and keys in range, no two rows overlapping
     (``table``: the CPU table, so this reads no device memory)."""
@@ -160,7 +165,7 @@ def _plan(rows, master, out, residual, backend) -> _Plan:
     and buffer sizes, so a buffer cast every step plans once; stochastic rounding's keys change
     every step, dithered rounding's and error feedback's never.
     """
-    size = min(master.numel(), out.numel(), master.numel() if residual is None else residual.numel())
+    size = _size(master, out, residual)
     static = tuple(r[:3] for r in rows)
     keys = tuple(r[3:] for r in rows)
     cache_key = (backend, master.device, size, static)
@@ -169,7 +174,7 @@ def _plan(rows, master, out, residual, backend) -> _Plan:
         _PLANS.move_to_end(cache_key)
         if plan.keys == keys:
             return plan
-    host = segment_table(rows) if rows else torch.zeros(0, 5, dtype=torch.int64, device="cpu")
+    host = segment_table(rows)
     _check_rows(host, size)  # first use: every column; then only the keys can differ
     if plan is None:
         grid = None
@@ -254,8 +259,7 @@ def cast_flat(method: str, master: torch.Tensor, out: torch.Tensor, segments, re
     _check_buffers(method, master, out, residual)
     backend = resolve_backend(master.device, backend)
     if backend == "reference":
-        _check_rows(segment_table(rows) if rows else torch.zeros(0, 5, dtype=torch.int64, device="cpu"),
-                    min(master.numel(), out.numel(), master.numel() if residual is None else residual.numel()))
+        _check_rows(segment_table(rows), _size(master, out, residual))
         for start, numel, index, k0, k1 in rows:
             s = slice(start, start + numel)
             if method == "stochastic":

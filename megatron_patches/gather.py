@@ -140,10 +140,9 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
     names = sorted(known)
     flat = torch.cat([fulls.pop(n).reshape(-1) if n in fulls else
                       torch.zeros(math.prod(known[n][0]), dtype=torch.int32, device="cpu") for n in names])
-    if device is None:  # this rank holds no param: the backend's device all the same
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu"))
-    flat = flat.to(device)  # the backend's device (NCCL: CUDA)
+    if torch.distributed.get_backend(group) == "nccl":  # NCCL reduces device tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    flat = flat.to(device or "cpu")  # the backend's device
     if dst is None:
         torch.distributed.all_reduce(flat, group=group)  # one main copy per element: the sum is it
     else:
