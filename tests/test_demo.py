@@ -31,3 +31,10 @@ def test_demo_runs_and_trainer_matches_its_side_by_side_export(trainer_cast, tmp
     assert os.path.getsize(tmp_path / "telemetry.png") > 10_000
     for m in ("nearest", "stochastic", "error_feedback", "dithered"):
         assert any(line.startswith(m) for line in out.splitlines())
+
+
+def test_device_cuda_without_a_gpu_is_a_clear_error():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "demo_deepspeed.py"), "--device", "cuda",
+                           "--model", "tiny"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--device cuda: no CUDA device is visible" in proc.stderr

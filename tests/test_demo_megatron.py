@@ -43,3 +43,10 @@ def test_megatron_demo_refuses_fair_without_bf16_naming_the_flag():
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "--export-cast fair needs --bf16" in proc.stderr
+
+
+def test_megatron_demo_device_cuda_without_a_gpu_is_a_clear_error():
+    env = dict(ENV, CUDA_VISIBLE_DEVICES="", RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+    proc = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--device", "cuda"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--device cuda: no CUDA device is visible" in proc.stderr
