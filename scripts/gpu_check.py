@@ -25,7 +25,9 @@ Checks, in order (each line says what was compared; sizes are the GPU's, ``--cpu
    bf16 model must equal the side-by-side export at every step.
 5. ``scripts/bench_export.py`` at 1.7e9 elements (its output is printed as is).
 
-Exit status 0 when every check passed. DeepSpeed runs go several at a time (``--jobs``).
+Exit status 0 when every check passed. DeepSpeed runs go several at a time (``--jobs``). The
+check lines go to the terminal, the runs' own output to ``--log`` (on the device machine:
+``--log $OUT/gpu_check.log``, so that it comes back).
 """
 from __future__ import annotations
 
@@ -54,11 +56,16 @@ SR = {"mode": "fair", "method": "stochastic", "seed": 7}
 EF = {"mode": "fair", "method": "error_feedback"}
 DS_PATHS = ("stage0", "bf16_optimizer", "zero1", "zero2", "zero3", "offload2")
 RESULTS: list[tuple[str, str]] = []
+REPORT = sys.stdout  # the check lines; everything else (the runs' own output) goes to --log
+
+
+def say(line: str) -> None:
+    print(line, file=REPORT, flush=True)
 
 
 def report(status: str, name: str, seconds: float | None, detail: str = "") -> None:
     took = f"({seconds:.1f} s)" if seconds is not None else ""
-    print(f"{status:<5} {name:<48} {took:>10}  {detail}".rstrip(), flush=True)
+    say(f"{status:<5} {name:<48} {took:>10}  {detail}".rstrip())
     RESULTS.append((status, name))
 
 
@@ -253,7 +260,7 @@ def deepspeed_checks(device: str, tmp: str, jobs: int) -> None:
         first = {c[:2]: pool.submit(straight, *c) for c in cases}
         second = {c[:2]: pool.submit(lambda c=c: first[c[:2]].result() and resumed(*c)) for c in cases}
         cf.wait(list(second.values()))
-    print(f"      ({len(cases) * 2} DeepSpeed launches, {jobs} at a time: {time.perf_counter() - t0:.0f} s)", flush=True)
+    say(f"      ({len(cases) * 2} DeepSpeed launches, {jobs} at a time: {time.perf_counter() - t0:.0f} s)")
 
     for path, name, _ in cases:
         label = f"ds {path} {name}"
@@ -358,6 +365,7 @@ def megatron_checks(device: str, tmp: str) -> None:
 def run_script(args: list[str], timeout: int, torchrun: bool = True) -> str:
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] if torchrun else [])
     proc = subprocess.run(cmd + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    print(f"$ {' '.join(cmd + args)}\n{proc.stdout}\n{proc.stderr}", flush=True)  # into --log
     if proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: " + " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-4:]))
     return proc.stdout
@@ -374,7 +382,7 @@ def main_job_checks(device: str, tmp: str) -> None:
         lines = out.splitlines()
         head = next(i for i, line in enumerate(lines) if line.startswith("method"))
         for line in lines[head:head + 6]:
-            print(f"      | {line}")
+            say(f"      | {line}")
         return f"{steps} steps: trainer's bf16 == side-by-side export every step"
 
     if device == "cuda" and has_smollm2:
@@ -393,7 +401,7 @@ def bench(device: str) -> str:
         ["--sizes", "1e6", "--threads", "1", "--repeat", "2"]
     out = run_script(["scripts/bench_export.py", *args], timeout=400, torchrun=False)
     for line in out.strip().splitlines():
-        print(f"      | {line}")
+        say(f"      | {line}")
     return f"bench_export.py {' '.join(args)}"
 
 
@@ -404,10 +412,18 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=None, help="DeepSpeed runs at a time (default 8 on CUDA, 2 on CPU)")
     p.add_argument("--only", nargs="+", choices=["kernels", "deepspeed", "megatron", "main", "bench"],
                    default=["kernels", "deepspeed", "megatron", "main", "bench"])
+    p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "faircast-gpu-check.log"),
+                   help="where the runs' own output (stdout and stderr of every process) goes")
     args = p.parse_args(argv)
+    global REPORT
+    REPORT = os.fdopen(os.dup(1), "w", buffering=1)  # the check lines stay on the terminal
+    log = open(args.log, "a")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)  # spawned ranks and subprocesses inherit these
+    say(f"INFO  the runs' own output: {os.path.abspath(args.log)}")
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        print("FAIL  no CUDA device visible (use --cpu for the CPU form)")
+        say("FAIL  no CUDA device visible (use --cpu for the CPU form)")
         return 1
     os.environ.update(DS_ACCELERATOR=device, DS_BUILD_OPS="0", HF_HUB_OFFLINE="1",
                       PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
@@ -421,7 +437,7 @@ def main(argv=None) -> int:
         except Exception as err:  # report, the checks that need it fail on their own
             versions[mod] = f"missing ({type(err).__name__})"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"INFO  device {name}; " + ", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
+    say(f"INFO  device {name}; " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     with tempfile.TemporaryDirectory(prefix="faircast-gpu-check-") as tmp:
         if "kernels" in args.only:
             if device == "cuda":
@@ -439,8 +455,8 @@ def main(argv=None) -> int:
             check("bench export 1.7e9 elements" if device == "cuda" else "bench export (cpu, 1e6)", bench, device)
     failed = [n for s, n in RESULTS if s == "FAIL"]
     passed = sum(s == "PASS" for s, _ in RESULTS)
-    print(f"{'FAIL' if failed else 'PASS'}  gpu_check on {name}: {passed} passed, {len(failed)} failed, "
-          f"{sum(s == 'SKIP' for s, _ in RESULTS)} skipped in {time.perf_counter() - t0:.0f} s", flush=True)
+    say(f"{'FAIL' if failed else 'PASS'}  gpu_check on {name}: {passed} passed, {len(failed)} failed, "
+        f"{sum(s == 'SKIP' for s, _ in RESULTS)} skipped in {time.perf_counter() - t0:.0f} s")
     return 1 if failed else 0
 
 
