@@ -241,7 +241,7 @@ def kernel_checks(device: torch.device, n: int, backend: str = "auto") -> None:
 
 
 # -------------------------------------------------------------------------------------- DeepSpeed
-def deepspeed_checks(device: str, tmp: str, jobs: int) -> None:
+def deepspeed_checks(device: str, tmp: str, jobs: int, monitor_on: bool = True) -> None:
     from ds_worker import run
     cases = [(p, name, cfg) for p in DS_PATHS for name, cfg in (("SR", SR), ("EF", EF))]
     folder = {c[:2]: os.path.join(tmp, f"ds_{c[0]}_{c[1]}") for c in cases}
@@ -249,7 +249,8 @@ def deepspeed_checks(device: str, tmp: str, jobs: int) -> None:
     def straight(path, name, cfg):
         d = folder[(path, name)]
         return run(1, path=path, export_cast=cfg, steps=5, save_dir=os.path.join(d, "ckpt"), save_at=(3,),
-                   save_final=False, monitor_dir=os.path.join(d, "monitor"), device=device)[0]
+                   save_final=False, monitor_dir=os.path.join(d, "monitor") if monitor_on else None,
+                   device=device)[0]
 
     def resumed(path, name, cfg):
         return run(1, path=path, export_cast=cfg, steps=2, load_dir=os.path.join(folder[(path, name)], "ckpt"),
@@ -285,6 +286,8 @@ def deepspeed_checks(device: str, tmp: str, jobs: int) -> None:
             return f"{r['optimizer']}, 5 steps, {r['rtn_differs']} elements off nearest; deltas rebuild"
 
         def monitor(path=path, name=name):
+            if not monitor_on:
+                return ("SKIP", "--no-ds-monitor")
             got(first[(path, name)])
             files = glob.glob(os.path.join(folder[(path, name)], "monitor", "fair", "*export_cast*.csv"))
             assert files, "no export_cast series in the CSV monitor's folder"
@@ -410,6 +413,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", default=os.environ.get("FAIRCAST_GPU_CHECK_DEVICE") == "cpu",
                    help="run on the CPU (gloo), reduced sizes (also FAIRCAST_GPU_CHECK_DEVICE=cpu)")
     p.add_argument("--jobs", type=int, default=None, help="DeepSpeed runs at a time (default 8 on CUDA, 2 on CPU)")
+    p.add_argument("--ds-monitor", action=argparse.BooleanOptionalAction, default=True,
+                   help="DeepSpeed's CSV monitor on in the DeepSpeed runs (Fair Cast's drift telemetry)")
     p.add_argument("--only", nargs="+", choices=["kernels", "deepspeed", "megatron", "main", "bench"],
                    default=["kernels", "deepspeed", "megatron", "main", "bench"])
     p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "faircast-gpu-check.log"),
@@ -446,7 +451,7 @@ def main(argv=None) -> int:
                 kernel_checks(torch.device("cpu"), 1 << 20, "cpu")
                 kernel_checks(torch.device("cpu"), 1 << 12, "triton")
         if "deepspeed" in args.only:
-            deepspeed_checks(device, tmp, args.jobs or (8 if device == "cuda" else 2))
+            deepspeed_checks(device, tmp, args.jobs or (8 if device == "cuda" else 2), args.ds_monitor)
         if "megatron" in args.only:
             megatron_checks(device, tmp)
         if "main" in args.only:
