@@ -241,9 +241,9 @@ def kernel_checks(device: torch.device, n: int, backend: str = "auto") -> None:
 
 
 # -------------------------------------------------------------------------------------- DeepSpeed
-def deepspeed_checks(device: str, tmp: str, jobs: int, monitor_on: bool = True) -> None:
+def deepspeed_checks(device: str, tmp: str, jobs: int, monitor_on: bool = True, paths=DS_PATHS) -> None:
     from ds_worker import run
-    cases = [(p, name, cfg) for p in DS_PATHS for name, cfg in (("SR", SR), ("EF", EF))]
+    cases = [(p, name, cfg) for p in paths for name, cfg in (("SR", SR), ("EF", EF))]
     folder = {c[:2]: os.path.join(tmp, f"ds_{c[0]}_{c[1]}") for c in cases}
 
     def straight(path, name, cfg):
@@ -256,12 +256,23 @@ def deepspeed_checks(device: str, tmp: str, jobs: int, monitor_on: bool = True) 
         return run(1, path=path, export_cast=cfg, steps=2, load_dir=os.path.join(folder[(path, name)], "ckpt"),
                    device=device)[0]
 
+    def served_cli(path, name, cfg):  # the checkpoint's served model, through the console script
+        from safetensors.torch import load_file
+        ckpt, out = os.path.join(folder[(path, name)], "ckpt"), os.path.join(folder[(path, name)], "served.safetensors")
+        exe = shutil.which("faircast-served")
+        cmd = [exe] if exe else [sys.executable, "-m", "deepspeed_hooks.served"]
+        proc = subprocess.run(cmd + [ckpt, out], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-400:]
+        return {n: t.reshape(-1) for n, t in load_file(out).items()}
+
     t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(jobs) as pool:
+    with cf.ThreadPoolExecutor(jobs) as pool:  # FIFO: every first run starts before any that waits on it
         first = {c[:2]: pool.submit(straight, *c) for c in cases}
         second = {c[:2]: pool.submit(lambda c=c: first[c[:2]].result() and resumed(*c)) for c in cases}
-        cf.wait(list(second.values()))
-    say(f"      ({len(cases) * 2} DeepSpeed launches, {jobs} at a time: {time.perf_counter() - t0:.0f} s)")
+        cli = {c[:2]: pool.submit(lambda c=c: first[c[:2]].result() and served_cli(*c)) for c in cases}
+        cf.wait(list(second.values()) + list(cli.values()))
+    say(f"      ({len(cases) * 2} DeepSpeed launches and {len(cases)} faircast-served runs, {jobs} at a time: "
+        f"{time.perf_counter() - t0:.0f} s)")
 
     for path, name, _ in cases:
         label = f"ds {path} {name}"
@@ -297,15 +308,9 @@ def deepspeed_checks(device: str, tmp: str, jobs: int, monitor_on: bool = True) 
                 assert len(rows) == 5 and all(float(v) == float(v) for _, v in rows), f"{os.path.basename(f)}: {rows}"
             return f"{len(files)} series x 5 steps"
 
-        def served_cli(path=path, name=name):
-            from safetensors.torch import load_file
-            r = got(first[(path, name)])
-            ckpt, out = os.path.join(folder[(path, name)], "ckpt"), os.path.join(folder[(path, name)], "served.safetensors")
-            exe = shutil.which("faircast-served")
-            cmd = [exe] if exe else [sys.executable, "-m", "deepspeed_hooks.served"]
-            proc = subprocess.run(cmd + [ckpt, out], capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-400:]
-            same({n: t.reshape(-1) for n, t in load_file(out).items()}, r["bf16"][2], "checkpoint vs served at save")
+        def served_from_checkpoint(path=path, name=name):
+            r, written = got(first[(path, name)]), got(cli[(path, name)])
+            same(written, r["bf16"][2], "checkpoint vs served at save")
             return "== served model at the save (step 3)"
 
         def resume(path=path, name=name):
@@ -318,7 +323,7 @@ def deepspeed_checks(device: str, tmp: str, jobs: int, monitor_on: bool = True) 
 
         check(f"{label} served == reference", served_is_reference)
         check(f"{label} monitor", monitor)
-        check(f"{label} faircast-served", served_cli)
+        check(f"{label} faircast-served", served_from_checkpoint)
         check(f"{label} resume == uninterrupted", resume)
 
 
@@ -415,6 +420,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=None, help="DeepSpeed runs at a time (default 8 on CUDA, 2 on CPU)")
     p.add_argument("--ds-monitor", action=argparse.BooleanOptionalAction, default=True,
                    help="DeepSpeed's CSV monitor on in the DeepSpeed runs (Fair Cast's drift telemetry)")
+    p.add_argument("--ds-paths", nargs="+", choices=DS_PATHS, default=list(DS_PATHS), help="DeepSpeed paths to run")
     p.add_argument("--only", nargs="+", choices=["kernels", "deepspeed", "megatron", "main", "bench"],
                    default=["kernels", "deepspeed", "megatron", "main", "bench"])
     p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "faircast-gpu-check.log"),
@@ -451,7 +457,7 @@ def main(argv=None) -> int:
                 kernel_checks(torch.device("cpu"), 1 << 20, "cpu")
                 kernel_checks(torch.device("cpu"), 1 << 12, "triton")
         if "deepspeed" in args.only:
-            deepspeed_checks(device, tmp, args.jobs or (8 if device == "cuda" else 2), args.ds_monitor)
+            deepspeed_checks(device, tmp, args.jobs or (8 if device == "cuda" else 2), args.ds_monitor, args.ds_paths)
         if "megatron" in args.only:
             megatron_checks(device, tmp)
         if "main" in args.only:
