@@ -87,9 +87,13 @@ class OptimizerExport:
     def state(self, hp: torch.Tensor) -> dict:
         return self.optimizer.optimizer.state[hp]
 
+    def group(self, i: int) -> tuple[torch.Tensor, list[Fragment]]:
+        """Group ``i`` of :meth:`groups` (adapters that cast one group at a time build only it)."""
+        return self.groups()[i]
+
     def export_group(self, i: int) -> None:
         """Cast group ``i``'s fp32 tensor into its bf16 destinations (this rank's shard only)."""
-        self._cast(*self.groups()[i])
+        self._cast(*self.group(i))
 
     @torch.no_grad()
     def _cast(self, hp: torch.Tensor, fragments: list[Fragment]) -> None:

@@ -25,20 +25,21 @@ class Stage3Export(OptimizerExport):
         return self.optimizer.dp_process_group
 
     def groups(self):
-        opt, out = self.optimizer, []
+        return [self.group(i) for i in range(len(self.optimizer.fp16_groups))]
+
+    def group(self, i):
+        """Sub-group ``i`` alone (``step`` casts one sub-group at a time)."""
+        opt = self.optimizer
         rank = dist.get_rank(group=opt.dp_process_group)
-        for hp, lp_flat, params in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat,
-                                       opt.fp16_groups):
-            fragments, start = [], 0
-            for p in params:
-                pn = p.ds_tensor.ds_numel
-                numel = max(0, min(pn, p.ds_numel - rank * pn))
-                if numel:
-                    fragments.append(Fragment(self.param_names[p], start, numel, rank * pn,
-                                              lp_flat.narrow(0, start, numel)))
-                start += pn
-            out.append((hp, fragments))
-        return out
+        lp_flat, fragments, start = opt.fp16_partitioned_groups_flat[i], [], 0
+        for p in opt.fp16_groups[i]:
+            pn = p.ds_tensor.ds_numel
+            numel = max(0, min(pn, p.ds_numel - rank * pn))
+            if numel:
+                fragments.append(Fragment(self.param_names[p], start, numel, rank * pn,
+                                          lp_flat.narrow(0, start, numel)))
+            start += pn
+        return opt.fp32_partitioned_groups_flat[i], fragments
 
 
 def attach(optimizer, caster, param_names) -> Stage3Export:
