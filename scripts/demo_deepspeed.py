@@ -90,7 +90,7 @@ def main(argv=None):
     params = dict(engine.module.named_parameters())
 
     def gather_master():  # collective; on rank 0's CPU, where the side-by-side exports run
-        return {n: safe_get_full_fp32_param(params[n]).to("cpu", copy=True) for n in names}
+        return {n: safe_get_full_fp32_param(params[n]).cpu() for n in names}  # a fresh tensor each call
 
     master = gather_master()
     exports = Exports(names, master, args.seed, args.max_lag, args.lag_sample, eval_model,
