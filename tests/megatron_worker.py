@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 # -- model and optimizer ---------------------------------------------------------------------------
-def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install"):
+def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemetry: int | None = None):
     """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
@@ -75,10 +75,14 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install"):
     if how == "activate":  # the one-line activation, then the stock entry point
         megatron_patches.activate(config=config)
         optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
+    elif how == "megatron_lm":  # activate() reading the (stand-in) Megatron-LM arguments
+        megatron_patches.activate()
+        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
     else:
         optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
         if how == "install":
-            megatron_patches.install(optimizer, config, [model])  # how == "none": stock
+            megatron_patches.install(optimizer, config, [model], telemetry=telemetry is not None,
+                                     sample=telemetry or 1)  # how == "none": stock
     return model, optimizer, cfg
 
 
@@ -261,9 +265,12 @@ def _run_job(tp, pp, job: dict) -> dict:
     config = ExportCastConfig.from_value(job.get("export_cast"))
     ef = config.effective_method == "error_feedback"
     record = {"snaps": [], "mismatch": 0, "rtn_differs": 0}
+    if "megatron_lm" in job:
+        training, record["written"] = megatron_lm_standin(job["megatron_lm"])
     try:
         model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
-                                    fp16=job.get("fp16", False), how=job.get("how", "install"))
+                                    fp16=job.get("fp16", False), how=job.get("how", "install"),
+                                    telemetry=job.get("telemetry"))
     except Exception as err:  # misuse cases record the error
         record["error"] = f"{type(err).__name__}: {err}"
         return record
@@ -286,9 +293,16 @@ def _run_job(tp, pp, job: dict) -> dict:
             prev = snap
     prev = record.get("loaded") or snapshot(model, optimizer, ef)
     first = job.get("first", 0)
+    record["drift"] = []
+    record["drift_on"] = [e.drift is not None for e in exports(optimizer)]
     for k in range(job.get("steps", 0)):
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
         train_step(model, optimizer, first + k)
+        if "megatron_lm" in job:  # as Megatron-LM's train() does after every iteration
+            training.training_log({}, {}, 1e-3, None, first + k + 1, 1.0, False, 0, 1.0, None, None)
+        elif job.get("telemetry"):
+            from megatron_patches import drift_metrics
+            record["drift"].append(drift_metrics(optimizer))
         snap = snapshot(model, optimizer, ef)
         if step is not None:
             mm, dif = reference_mismatch(config, step, snap, prev["residual"])
@@ -307,6 +321,57 @@ def _run_job(tp, pp, job: dict) -> dict:
         record["after_reload"] = snapshot(model, optimizer, ef)
     record["replica_mismatch"] = sum(s["replica_mismatch"] for s in record["snaps"])
     return record
+
+
+def megatron_lm_standin(argv: list[str]):
+    """Stand-ins for the parts of Megatron-LM's ``megatron.training`` (not in the megatron-core
+    wheel) that ``activate()`` uses: ``arguments.add_megatron_arguments``, ``global_vars``
+    (``get_args`` = ``argv`` parsed with ``--export-cast*`` and Megatron-LM's logging flags; the
+    writers, on rank 0, record what they are given) and ``training.training_log``.
+
+    Returns:
+        ``(the training module, the list the writers append ("tb" | "wandb", name, value, step) to)``.
+    """
+    import argparse
+    import sys
+    import types
+
+    import megatron
+    from megatron_patches import add_export_cast_args
+    parser = argparse.ArgumentParser()
+    for flag in ("--tensorboard-dir", "--wandb-project"):
+        parser.add_argument(flag, default=None)
+    parser.add_argument("--log-interval", type=int, default=100)
+    parser.add_argument("--bf16", action="store_true")
+    args = add_export_cast_args(parser).parse_args(argv)
+    written = []
+
+    class Writer:
+        def add_scalar(self, name, value, step):
+            written.append(("tb", name, value, step))
+
+    class Wandb:
+        def log(self, values, step):
+            written.extend(("wandb", name, value, step) for name, value in values.items())
+
+    first = torch.distributed.get_rank() == 0
+    global_vars = types.SimpleNamespace(
+        get_args=lambda: args, get_tensorboard_writer=lambda: Writer() if first and args.tensorboard_dir else None,
+        get_wandb_writer=lambda: Wandb() if first and args.wandb_project else None)
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, iteration, loss_scale,
+                     report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad):
+        return report_memory_flag  # Megatron-LM's signature (core_r0.16); it writes its own scalars here
+    training = types.ModuleType("megatron.training.training")
+    training.training_log = training_log
+    package = types.ModuleType("megatron.training")
+    package.__path__ = []
+    package.training, package.global_vars = training, global_vars
+    package.arguments = types.SimpleNamespace(add_megatron_arguments=lambda parser: parser)
+    sys.modules.update({"megatron.training": package, "megatron.training.training": training,
+                        "megatron.training.global_vars": global_vars, "megatron.training.arguments": package.arguments})
+    megatron.training = package
+    return training, written
 
 
 def _compare_copy_paths(model, optimizer):
