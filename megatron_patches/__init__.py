@@ -112,7 +112,7 @@ def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool
         from megatron.training import training
     except ImportError:
         training = None
-    if training is not None:
+    if hasattr(training, "training_log"):
         from megatron_patches.telemetry import wrap_training_log
         wrap_training_log(training, _OPTIMIZERS)
 

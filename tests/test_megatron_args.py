@@ -103,6 +103,7 @@ def fake_megatron_training(monkeypatch):
 
     arguments.add_megatron_arguments, arguments.parse_args = add_megatron_arguments, parse_args
     training_loop.get_megatron_optimizer = core_optimizer.get_megatron_optimizer  # imported by name
+    training_loop.training_log = lambda *args, **kwargs: False
     for name, module in [("megatron.training", training), ("megatron.training.arguments", arguments),
                          ("megatron.training.global_vars", global_vars),
                          ("megatron.training.training", training_loop)]:
@@ -127,6 +128,7 @@ def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_
     for module in (fake.core_optimizer, fake.training):
         assert module.get_megatron_optimizer is not original
         assert module.get_megatron_optimizer.__wrapped__ is original
+    assert fake.training.training_log._faircast and not hasattr(fake.training.training_log.__wrapped__, "_faircast")
     # the wrapper reads the parsed arguments at optimizer build time
     fake.global_vars.get_args = lambda: fake.arguments.parse_args(
         None, ["--bf16", "--export-cast", "fair", "--export-cast-method", "error-feedback"])
@@ -134,3 +136,18 @@ def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_
     fake.global_vars.get_args = lambda: fake.arguments.parse_args(None, ["--export-cast", "fair"])
     with pytest.raises(ValueError, match="--bf16"):
         megatron_patches._args_config()
+
+
+@pytest.mark.parametrize("argv,on", [
+    ([], False),  # no writer: nothing to log to
+    (["--tensorboard-dir", "tb"], True),
+    (["--wandb-project", "p"], True),
+    (["--tensorboard-dir", "tb", "--no-export-cast-telemetry"], False),
+    (["--wandb-project", "p", "--export-cast-telemetry"], True),
+])
+def test_telemetry_is_on_with_a_writer_unless_turned_off(argv, on):
+    from megatron_patches.telemetry import logging_on
+    parser = megatron_like_parser()
+    parser.add_argument("--tensorboard-dir")
+    parser.add_argument("--wandb-project")
+    assert logging_on(add_export_cast_args(parser).parse_args(argv)) is on
