@@ -266,7 +266,7 @@ def _run_job(tp, pp, job: dict) -> dict:
     ef = config.effective_method == "error_feedback"
     record = {"snaps": [], "mismatch": 0, "rtn_differs": 0}
     if "megatron_lm" in job:
-        training, record["written"] = megatron_lm_standin(job["megatron_lm"])
+        lm = megatron_lm_standin(job["megatron_lm"])
     try:
         model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
                                     fp16=job.get("fp16", False), how=job.get("how", "install"),
@@ -299,7 +299,7 @@ def _run_job(tp, pp, job: dict) -> dict:
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
         train_step(model, optimizer, first + k)
         if "megatron_lm" in job:  # as Megatron-LM's train() does after every iteration
-            training.training_log({}, {}, 1e-3, None, first + k + 1, 1.0, False, 0, 1.0, None, None)
+            lm.training.training_log({}, {}, 1e-3, None, first + k + 1, 1.0, False, 0, 1.0, None, None)
         elif job.get("telemetry"):
             from megatron_patches import drift_metrics
             record["drift"].append(drift_metrics(optimizer))
@@ -314,6 +314,8 @@ def _run_job(tp, pp, job: dict) -> dict:
             save(model, optimizer, job["save"], job.get("sharding", "dp_reshardable"))
             record["saved"] = snap
             record["saved_step"] = [e.caster.step for e in exports(optimizer)]
+    if "megatron_lm" in job:
+        record["written"] = list(lm.written)
     if job.get("param_buffer"):
         record["param_buffer"] = _compare_copy_paths(model, optimizer)
     if job.get("reload"):
@@ -323,55 +325,24 @@ def _run_job(tp, pp, job: dict) -> dict:
     return record
 
 
-def megatron_lm_standin(argv: list[str]):
-    """Stand-ins for the parts of Megatron-LM's ``megatron.training`` (not in the megatron-core
-    wheel) that ``activate()`` uses: ``arguments.add_megatron_arguments``, ``global_vars``
-    (``get_args`` = ``argv`` parsed with ``--export-cast*`` and Megatron-LM's logging flags; the
-    writers, on rank 0, record what they are given) and ``training.training_log``.
+_STANDIN = []  # one set of Megatron-LM stand-ins per process, as Megatron-LM has one megatron.training
 
-    Returns:
-        ``(the training module, the list the writers append ("tb" | "wandb", name, value, step) to)``.
-    """
-    import argparse
+
+def megatron_lm_standin(argv: list[str]):
+    """The Megatron-LM stand-ins (``megatron_lm_standin.py``), with ``get_args()`` parsing ``argv``
+    and an empty writers' record."""
     import sys
-    import types
 
     import megatron
-    from megatron_patches import add_export_cast_args
-    parser = argparse.ArgumentParser()
-    for flag in ("--tensorboard-dir", "--wandb-project"):
-        parser.add_argument(flag, default=None)
-    parser.add_argument("--log-interval", type=int, default=100)
-    parser.add_argument("--bf16", action="store_true")
-    args = add_export_cast_args(parser).parse_args(argv)
-    written = []
-
-    class Writer:
-        def add_scalar(self, name, value, step):
-            written.append(("tb", name, value, step))
-
-    class Wandb:
-        def log(self, values, step):
-            written.extend(("wandb", name, value, step) for name, value in values.items())
-
-    first = torch.distributed.get_rank() == 0
-    global_vars = types.SimpleNamespace(
-        get_args=lambda: args, get_tensorboard_writer=lambda: Writer() if first and args.tensorboard_dir else None,
-        get_wandb_writer=lambda: Wandb() if first and args.wandb_project else None)
-
-    def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, iteration, loss_scale,
-                     report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad):
-        return report_memory_flag  # Megatron-LM's signature (core_r0.16); it writes its own scalars here
-    training = types.ModuleType("megatron.training.training")
-    training.training_log = training_log
-    package = types.ModuleType("megatron.training")
-    package.__path__ = []
-    package.training, package.global_vars = training, global_vars
-    package.arguments = types.SimpleNamespace(add_megatron_arguments=lambda parser: parser)
-    sys.modules.update({"megatron.training": package, "megatron.training.training": training,
-                        "megatron.training.global_vars": global_vars, "megatron.training.arguments": package.arguments})
-    megatron.training = package
-    return training, written
+    from megatron_lm_standin import modules
+    if not _STANDIN:
+        _STANDIN.append(modules())
+        sys.modules.update(_STANDIN[0].sys_modules)
+        megatron.training = _STANDIN[0].package
+    fake = _STANDIN[0]
+    fake.global_vars.get_args = lambda: fake.arguments.parse_args(None, argv)  # activate() adds --export-cast*
+    fake.written.clear()
+    return fake
 
 
 def _compare_copy_paths(model, optimizer):

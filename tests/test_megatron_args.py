@@ -1,7 +1,6 @@
 """``--export-cast`` arguments, the one-line activation and the misuse errors (single process)."""
 import argparse
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -83,36 +82,18 @@ def test_optimizer_config_checks():
 @pytest.fixture
 def fake_megatron_training(monkeypatch):
     """Megatron-LM's megatron.training (not in the megatron-core wheel): just what activate() uses."""
+    import megatron
     import megatron.core.optimizer as core_optimizer
 
-    training = types.ModuleType("megatron.training")
-    arguments = types.ModuleType("megatron.training.arguments")
-    global_vars = types.ModuleType("megatron.training.global_vars")
-    training_loop = types.ModuleType("megatron.training.training")
-
-    def add_megatron_arguments(parser):
-        parser.add_argument("--bf16", action="store_true")
-        return parser
-
-    def parse_args(extra_args_provider=None, argv=()):  # Megatron-LM's order of calls
-        parser = argparse.ArgumentParser(allow_abbrev=False)
-        parser = arguments.add_megatron_arguments(parser)
-        if extra_args_provider is not None:
-            parser = extra_args_provider(parser)
-        return parser.parse_args(list(argv))
-
-    arguments.add_megatron_arguments, arguments.parse_args = add_megatron_arguments, parse_args
-    training_loop.get_megatron_optimizer = core_optimizer.get_megatron_optimizer  # imported by name
-    training_loop.training_log = lambda *args, **kwargs: False
-    for name, module in [("megatron.training", training), ("megatron.training.arguments", arguments),
-                         ("megatron.training.global_vars", global_vars),
-                         ("megatron.training.training", training_loop)]:
+    from megatron_lm_standin import modules
+    fake = modules()
+    for name, module in fake.sys_modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    training.arguments = arguments
+    monkeypatch.setattr(megatron, "training", fake.package, raising=False)
     monkeypatch.setattr(core_optimizer, "get_megatron_optimizer", core_optimizer.get_megatron_optimizer)
     monkeypatch.setattr(megatron_patches, "_ORIGINAL", {})
-    return SimpleNamespace(arguments=arguments, global_vars=global_vars, training=training_loop,
-                           core_optimizer=core_optimizer)
+    fake.core_optimizer = core_optimizer
+    return fake
 
 
 def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_training):
