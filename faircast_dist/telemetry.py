@@ -93,7 +93,7 @@ class LagTracker:
             raise ValueError(f"LagTracker needs numel > 0, sample_size > 0, max_lag >= 0; got "
                              f"{numel=}, {sample_size=}, {max_lag=}")
         g = torch.Generator().manual_seed(seed)
-        self.index = torch.randint(numel, (sample_size,), generator=g).sort().values
+        self.index = torch.randint(numel, (sample_size,), generator=g, device="cpu").sort().values
         self.history: deque[torch.Tensor] = deque(maxlen=max_lag + 1)
 
     def update(self, master_sample: torch.Tensor, served_sample: torch.Tensor) -> int:
@@ -172,9 +172,9 @@ def sampled_positions(rows: Iterable[Sequence], stride: int, device=None) -> tor
     for name, start, numel, index in rows:
         skip = -(int(index) + zlib.crc32(name.encode())) % stride  # first sampled element of the row
         if skip < numel:
-            parts.append(torch.arange(int(start) + skip, int(start) + int(numel), stride, dtype=torch.int64))
-    out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device="cpu")
-    return out.to(device)
+            parts.append(torch.arange(int(start) + skip, int(start) + int(numel), stride, dtype=torch.int64,
+                                      device=device))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
 
 
 class DriftSample:
