@@ -34,7 +34,7 @@ $(VENV)/.demo: $(VENV)/.test
 venv: $(VENV)/.test
 
 test: $(VENV)/.demo
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 demo: $(VENV)/.demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/demo_deepspeed.py $(DEMO_ARGS)

@@ -162,7 +162,8 @@ def _load_serves_what_was_served(engine) -> None:
 def _report_drift(engine, export) -> None:
     """Send per-step drift telemetry to the engine's monitor (see :mod:`deepspeed_hooks.monitor`)."""
     from deepspeed_hooks.monitor import DriftMonitor
-    export.drift = DriftMonitor()
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names)
+    export.drift = DriftMonitor(total)
     step = engine.step
 
     @functools.wraps(step)

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import itertools
 import os
-import time
 
 import torch
 from deepspeed import comm as dist
@@ -72,7 +71,6 @@ class OptimizerExport:
         self.in_step = False
         self.exported = False
         self.drift = None  # a DriftMonitor when DeepSpeed's monitor is enabled
-        self._t0 = None
 
     # ---- what an adapter provides
     def groups(self) -> list[tuple[torch.Tensor, list[Fragment]]]:
@@ -97,8 +95,8 @@ class OptimizerExport:
 
     @torch.no_grad()
     def _cast(self, hp: torch.Tensor, fragments: list[Fragment]) -> None:
-        if self._t0 is None:
-            self._t0 = time.perf_counter()
+        if self.drift is not None and not self.exported:  # the first group of this step's export
+            self.drift.timer.start(hp.device)
         flat, state = hp.view(-1), self.state(hp)
         state.pop(SERVED_KEY, None)
         residual = None
@@ -121,13 +119,11 @@ class OptimizerExport:
         if not self.exported:
             return
         self.exported = False
-        export_ms = 1e3 * (time.perf_counter() - self._t0)
-        self._t0 = None
         self.caster.advance()
         for hp, _ in self.groups():
             self.state(hp)[STEP_KEY] = self.caster.step
         if self.drift is not None:
-            self.drift.update(self, export_ms)
+            self.drift.update(self)
 
     def export(self) -> None:
         """Export every group, then :meth:`finish`."""

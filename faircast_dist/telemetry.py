@@ -5,12 +5,21 @@
   random sample of elements: how old the served policy looks.
 * ``gap_ulps[t]``        — mean |served - master| in units of the local bf16 spacing.
 * :func:`logprob_gap`    — mean |log p_master - log p_served| per token and KL(master || served).
+
+The functions below measure whole tensors on the host (tests, demos). Inside training,
+:class:`DriftSample` measures the elements a rank casts on their device, on a fixed sample chosen
+by global element index (so the sample is the same in every layout), and :func:`reduce_drift`
+turns the ranks' sums into the four numbers the integrations log, with one small all-reduce.
 """
 from __future__ import annotations
 
+import time
+import zlib
 from collections import deque
+from typing import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 _BINADE_TOP = 0x7F7E0000  # last bf16 pattern whose successor is finite (same binade as max)
@@ -84,7 +93,7 @@ class LagTracker:
             raise ValueError(f"LagTracker needs numel > 0, sample_size > 0, max_lag >= 0; got "
                              f"{numel=}, {sample_size=}, {max_lag=}")
         g = torch.Generator().manual_seed(seed)
-        self.index = torch.randint(numel, (sample_size,), generator=g).sort().values
+        self.index = torch.randint(numel, (sample_size,), generator=g, device="cpu").sort().values
         self.history: deque[torch.Tensor] = deque(maxlen=max_lag + 1)
 
     def update(self, master_sample: torch.Tensor, served_sample: torch.Tensor) -> int:
@@ -121,3 +130,193 @@ def logprob_gap(master_logits: torch.Tensor, served_logits: torch.Tensor, target
     if mask is None:
         mask = torch.ones_like(targets, dtype=torch.bool)
     return (tok_m - tok_s).abs()[mask].mean().item(), kl[mask].mean().item()
+
+
+# -- on-device telemetry of a sharded export ---------------------------------------------------------
+def sample_stride(total: int, sample: int = 65536) -> int:
+    """Sampling stride for a model of ``total`` elements: about ``sample`` elements are watched.
+
+    Returns the smallest prime >= ceil(total / sample) (1 when ``total <= sample``: every element).
+    A prime keeps the sample from lining up with the columns of a weight matrix.
+
+    Raises:
+        ValueError: ``total < 0`` or ``sample <= 0``.
+    """
+    if total < 0 or sample <= 0:
+        raise ValueError(f"sample_stride needs total >= 0 and sample > 0, got {total=}, {sample=}")
+    n = max(1, -(-total // sample))
+    while n > 2 and any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+        n += 1
+    return n
+
+
+def sampled_positions(rows: Iterable[Sequence], stride: int, device=None) -> torch.Tensor:
+    """Buffer positions of the sampled elements of a buffer's param fragments.
+
+    Element ``g`` (global flat index) of param ``name`` is sampled when
+    ``(g + crc32(name)) % stride == 0``: a choice that depends only on the element, never on the
+    layout, so every layout watches the same elements and a test can recompute the numbers from
+    the gathered model.
+
+    Args:
+        rows: ``(name, start, numel, index)`` per fragment (as for ``FairCaster.cast_flat``):
+            canonical param name, offset in the buffer, element count, global index of its first
+            element.
+        stride: from :func:`sample_stride` (>= 1).
+        device: where the returned tensor lives.
+
+    Returns:
+        int64 ``[n]``, sorted by row then position.
+    """
+    parts = []
+    for name, start, numel, index in rows:
+        skip = -(int(index) + zlib.crc32(name.encode())) % stride  # first sampled element of the row
+        if skip < numel:
+            parts.append(torch.arange(int(start) + skip, int(start) + int(numel), stride, dtype=torch.int64,
+                                      device=device))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+class DriftSample:
+    """Drift telemetry of the elements one rank casts, measured on their device (no host copy).
+
+    Call :meth:`observe` once per whole-model export with every piece this rank should count
+    (a replica that another rank also casts is left out by the caller, so that each element
+    counts once over all ranks). It keeps, on the pieces' device, the served bits and the master
+    of the sampled elements (``max_lag + 1`` past master samples) and leaves in :attr:`last` the
+    sums :func:`reduce_drift` needs. Nothing crosses to the host.
+
+    Args:
+        stride: sampling stride (:func:`sample_stride`, the same on every rank).
+        max_lag: K, past master samples kept for ``lag_steps``.
+
+    Attributes:
+        last: float64 ``[4 + K + 1]`` on the pieces' device, or None before the first export:
+            ``[changed elements, sampled elements, sum of |served - master| in ulps, finite
+            masters, ||served - master_{t-k}||^2 for k = 0..K]`` (0 beyond the history).
+        steps: exports observed (int).
+    """
+
+    def __init__(self, stride: int, max_lag: int = 100):
+        if stride < 1 or max_lag < 0:
+            raise ValueError(f"DriftSample needs stride >= 1 and max_lag >= 0, got {stride=}, {max_lag=}")
+        self.stride, self.max_lag = stride, max_lag
+        self.positions: dict = {}
+        self.ring: torch.Tensor | None = None  # [K + 1, n] float32 master samples, row head = now
+        self.head = -1
+        self.previous: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
+        self.steps = 0
+
+    @torch.no_grad()
+    def observe(self, pieces: Iterable[tuple], device=None) -> None:
+        """Measure one export.
+
+        Args:
+            pieces: ``(key, master, served, rows)``: a hashable key naming the buffer (the
+                same key must mean the same buffer at every export), its float32 1-D master
+                buffer, the bfloat16 1-D buffer served from it (same length and device) and its
+                fragments ``(name, start, numel, index)`` (positions are computed once per key).
+            device: where :attr:`last` lives when there are no pieces (default: CPU).
+        """
+        masters, served = [], []
+        for key, master, out, rows in pieces:
+            device = out.device  # the served side (ZeRO-Offload: masters on the host)
+            pos = self.positions.get(key)
+            if pos is None:
+                pos = sampled_positions(rows, self.stride, device)
+                pos = self.positions[key] = (pos.to(master.device), pos)
+            masters.append(master.index_select(0, pos[0]).to(device))
+            served.append(out.index_select(0, pos[1]))
+        m = torch.cat(masters) if masters else torch.zeros(0, dtype=torch.float32, device=device)
+        s = torch.cat(served) if served else torch.zeros(0, dtype=torch.bfloat16, device=device)
+        bits = s.view(torch.int16)
+        last = torch.zeros(5 + self.max_lag, dtype=torch.float64, device=m.device)
+        if self.previous is not None and self.previous.shape == bits.shape:
+            last[0] = (self.previous != bits).sum()
+        last[1] = bits.numel()
+        finite = torch.isfinite(m)
+        last[2] = torch.where(finite, (s.float() - m).abs() / bf16_spacing(m), 0).double().sum()
+        last[3] = finite.sum()
+        if self.ring is None or self.ring.shape[1] != m.numel():
+            self.ring, self.head = torch.zeros(self.max_lag + 1, m.numel(), dtype=torch.float32, device=m.device), -1
+        self.head = (self.head + 1) % (self.max_lag + 1)
+        self.ring[self.head] = m
+        d = (self.ring - s.float()) ** 2
+        rows = torch.where(torch.isfinite(d), d, 0).double().sum(1)  # by ring row
+        age = (self.head - torch.arange(self.max_lag + 1, device=m.device)) % (self.max_lag + 1)
+        last[4:] = rows[age]  # k = 0 is now
+        self.previous, self.last = bits.clone(), last
+        self.steps += 1
+
+
+def reduce_drift(samples: Sequence[DriftSample], export_ms: float = 0.0, group=None) -> dict[str, float]:
+    """The drift numbers of one export over all ranks, from every rank's :class:`DriftSample`.
+
+    Collective over ``group`` when torch.distributed is initialised (two all-reduces of a
+    ``K + 5`` float64 vector and of one float, on the samples' device); every rank gets the same
+    values. The samples (e.g. one per leaf optimizer) must have observed the same exports.
+
+    Args:
+        samples: this rank's samples (may be empty on a rank that casts nothing, but then it must
+            still call with the same ``max_lag`` as ``samples`` elsewhere: pass them anyway).
+        export_ms: this rank's export time; the slowest rank's is reported.
+        group: the process group (None: the default group).
+
+    Returns:
+        ``{"changed_fraction": 0..1, "lag_steps": int in [0, K], "gap_ulps": >= 0, "export_ms": ms}``.
+
+    Raises:
+        ValueError: no samples, or samples that have not observed an export / disagree on K.
+    """
+    if not samples or any(s.last is None for s in samples):
+        raise ValueError("reduce_drift needs DriftSamples that have observed an export")
+    if len({s.last.numel() for s in samples}) != 1 or len({s.steps for s in samples}) != 1:
+        raise ValueError("reduce_drift: the samples disagree on max_lag or on the number of exports")
+    total = torch.stack([s.last for s in samples]).sum(0)
+    ms = torch.tensor([export_ms], dtype=torch.float64, device=total.device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, group=group)
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+    v = total.tolist()
+    history = min(samples[0].steps, samples[0].max_lag + 1)
+    dists = v[4:4 + history]
+    return {"changed_fraction": v[0] / v[1] if v[1] else 0.0,
+            "lag_steps": min(range(history), key=dists.__getitem__),
+            "gap_ulps": v[2] / v[3] if v[3] else 0.0,
+            "export_ms": ms.item()}
+
+
+class ExportTimer:
+    """Wall time of an export on its device, without a host sync when it is taken.
+
+    CUDA: a pair of ``torch.cuda.Event`` (read at :meth:`ms`, which waits for the end event);
+    other devices: ``time.perf_counter``.
+    """
+
+    def __init__(self):
+        self._start = self._end = None
+
+    def start(self, device) -> None:
+        """Mark the start of an export on ``device`` (a ``torch.device``)."""
+        if torch.device(device).type == "cuda":
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start, self._end = time.perf_counter(), None
+
+    def stop(self) -> None:
+        """Mark the end of the export started last."""
+        if isinstance(self._start, float):
+            self._end = time.perf_counter()
+        elif self._start is not None:
+            self._end.record()
+
+    def ms(self) -> float:
+        """Milliseconds between the last start and stop (0.0 before any)."""
+        if self._start is None or self._end is None:
+            return 0.0
+        if isinstance(self._start, float):
+            return 1e3 * (self._end - self._start)
+        self._end.synchronize()
+        return float(self._start.elapsed_time(self._end))

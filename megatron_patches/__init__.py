@@ -9,7 +9,10 @@ Three ways in, from least to most code:
 
    Then ``--export-cast fair [--export-cast-method error-feedback] [--export-cast-seed 7]``
    parse (the group is added to ``add_megatron_arguments``), and every optimizer built by
-   ``get_megatron_optimizer`` reads them from ``get_args()``.
+   ``get_megatron_optimizer`` reads them from ``get_args()``. With ``--tensorboard-dir`` or
+   ``--wandb-project``, the drift telemetry (``export-cast/changed-fraction``, ``lag-steps``,
+   ``gap-ulps``, ``export-ms``) is written at every ``--log-interval`` next to Megatron's own
+   scalars (:mod:`megatron_patches.telemetry`; ``--no-export-cast-telemetry`` turns it off).
 
 2. A script with its own ``extra_args_provider``: chain it,
    ``pretrain(..., extra_args_provider=with_export_cast_args(my_provider))`` (plus
@@ -18,7 +21,8 @@ Three ways in, from least to most code:
 3. Code that builds optimizers with ``get_megatron_optimizer`` directly::
 
        optimizer = get_megatron_optimizer(opt_config, model_chunks)
-       install(optimizer, ExportCastConfig(mode="fair", method="error_feedback"), model_chunks)
+       install(optimizer, ExportCastConfig(mode="fair", method="error_feedback"), model_chunks,
+               telemetry=True)  # then megatron_patches.drift_metrics(optimizer) when logging
 
 See :mod:`megatron_patches.optimizer` for where the cast happens and how checkpoints carry it.
 """
@@ -31,11 +35,13 @@ from typing import Optional
 from faircast_dist import ExportCastConfig
 from megatron_patches.args import add_export_cast_args, config_from_args, with_export_cast_args
 from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install
+from megatron_patches.telemetry import drift_metrics
 
 __all__ = ["activate", "install", "add_export_cast_args", "with_export_cast_args", "config_from_args",
-           "check_config", "ExportCastConfig", "MegatronExport", "STATE_KEY"]
+           "check_config", "drift_metrics", "ExportCastConfig", "MegatronExport", "STATE_KEY"]
 
 _ORIGINAL = {}
+_OPTIMIZERS = []  # optimizers built since activate(), for the training_log wrapper
 
 
 def _args_config() -> ExportCastConfig:
@@ -47,7 +53,16 @@ def _args_config() -> ExportCastConfig:
     return config_from_args(get_args())
 
 
-def activate(config: Optional[ExportCastConfig] = None) -> None:
+def _args_telemetry() -> bool:
+    try:
+        from megatron.training.global_vars import get_args
+    except ImportError:
+        return False
+    from megatron_patches.telemetry import logging_on
+    return logging_on(get_args())
+
+
+def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool] = None) -> None:
     """Turn on ``--export-cast`` for everything built after this call (idempotent).
 
     * adds the argument group to Megatron-LM's ``add_megatron_arguments`` when
@@ -55,13 +70,18 @@ def activate(config: Optional[ExportCastConfig] = None) -> None:
       ``extra_args_provider`` the script passes);
     * wraps ``get_megatron_optimizer`` in ``megatron.core.optimizer`` and in every loaded module
       that imported it by name (e.g. ``megatron.training.training``): the optimizer it returns
-      gets :func:`install` with ``config``, or with the parsed arguments when ``config`` is None.
+      gets :func:`install` with ``config``, or with the parsed arguments when ``config`` is None;
+    * wraps ``megatron.training.training.training_log`` (when importable) so that the drift
+      telemetry is written with Megatron's scalars (:func:`megatron_patches.telemetry.wrap_training_log`).
 
     Args:
         config: the export-cast config to use; None reads ``megatron.training.get_args()`` at
             optimizer build time.
+        telemetry: measure drift telemetry; None decides from the parsed arguments at optimizer
+            build time (:func:`megatron_patches.telemetry.logging_on`; False without
+            ``megatron.training``).
     """
-    _ORIGINAL["config"] = config
+    _ORIGINAL["config"], _ORIGINAL["telemetry"] = config, telemetry
     try:
         from megatron.training import arguments
     except ImportError:
@@ -82,9 +102,19 @@ def activate(config: Optional[ExportCastConfig] = None) -> None:
         optimizer = original(*args, **kwargs)
         model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[1]
         chosen = _ORIGINAL["config"] if _ORIGINAL["config"] is not None else _args_config()
-        install(optimizer, chosen, model_chunks)
+        want = _ORIGINAL["telemetry"] if _ORIGINAL["telemetry"] is not None else _args_telemetry()
+        if install(optimizer, chosen, model_chunks, telemetry=want):
+            _OPTIMIZERS.append(optimizer)
         return optimizer
     get_megatron_optimizer._faircast = True
+
+    try:
+        from megatron.training import training
+    except ImportError:
+        training = None
+    if hasattr(training, "training_log"):
+        from megatron_patches.telemetry import wrap_training_log
+        wrap_training_log(training, _OPTIMIZERS)
 
     for module in list(sys.modules.values()):
         current = getattr(module, "__dict__", {}).get("get_megatron_optimizer")  # no lazy imports

@@ -3,6 +3,7 @@
     --export-cast {nearest,fair}                     default nearest (stock round to nearest)
     --export-cast-method {stochastic,error-feedback,dithered} default stochastic
     --export-cast-seed INT                           default 1234
+    --[no-]export-cast-telemetry                     default on (with --tensorboard-dir / --wandb-project)
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def add_export_cast_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                             "across exports: stateless, few served weights change per step).")
     group.add_argument("--export-cast-seed", type=int, default=1234,
                        help="Seed of the stochastic / dithered rounding random bits (int64).")
+    group.add_argument("--export-cast-telemetry", action=argparse.BooleanOptionalAction, default=True,
+                       help="With --export-cast fair and --tensorboard-dir or --wandb-project: log "
+                            "export-cast/{changed-fraction,lag-steps,gap-ulps,export-ms} at every "
+                            "--log-interval (measured on a fixed sample on the device).")
     return parser
 
 

@@ -40,6 +40,7 @@ from dataclasses import replace
 import torch
 
 from faircast_dist import ExportCastConfig, FairCaster
+from faircast_dist.telemetry import DriftSample, ExportTimer, sample_stride
 from megatron_patches import compat
 from megatron_patches.layout import ParamLayout, describe_model, model_entries
 
@@ -81,6 +82,9 @@ class MegatronExport:
             self.residuals = {id(s.model_param): caster.new_residual(s.main) for s in self.shards()}
         self._internal_load = False
         self._runs = {}  # (id(model param), start, end) -> fused-cast segments of that shard
+        self.drift: DriftSample | None = None  # set by install(telemetry=True)
+        self._counted = {}  # shard key -> counts(shard)
+        self.timer = ExportTimer()
 
     # -- where the masters are ------------------------------------------------------------------
     def shards(self):
@@ -117,7 +121,10 @@ class MegatronExport:
         One fused call per master shard: its segments are the runs of consecutive global
         indices (one for a contiguous range, one per row of a TP block split on a later dim).
         """
-        for shard in self.shards():
+        shards, pieces = self.shards(), []
+        if self.drift is not None and shards:
+            self.timer.start(shards[0].main.device)
+        for shard in shards:
             master, out = shard.main.detach().view(-1), self._target(shard)
             if out.dtype != torch.bfloat16:
                 raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {out.dtype}, not bfloat16")
@@ -127,7 +134,30 @@ class MegatronExport:
                 runs = self._runs[key] = [(shard.layout.name, *r) for r in shard.layout.runs(shard.start, shard.end)]
             residual = self.residuals.get(id(shard.model_param))
             self.caster.cast_flat(master, out, runs, None if residual is None else residual.view(-1))
+            if self.drift is not None and self._counted.setdefault(key, self.counts(shard)):
+                pieces.append((key, master, out, runs))
         self.caster.advance()
+        if self.drift is not None:
+            self.timer.stop()
+            self.drift.observe(pieces, device=self.device())
+
+    def counts(self, shard: _Shard) -> bool:
+        """Whether this rank counts ``shard`` in the drift telemetry: each element once over all
+        ranks (not a TP duplicate, not the last PP stage's copy of tied embeddings, not a DP
+        replica of the Float16 optimizer; the rules of Megatron's own params-norm)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+        p = shard.model_param
+        replica = not self.distributed and ps.get_data_parallel_rank(with_context_parallel=True) != 0
+        return param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p) and not replica
+
+    def device(self) -> torch.device:
+        """The device of this optimizer's model params (where its collectives run)."""
+        for chunk in self.model_chunks:
+            for p in chunk.parameters():
+                return p.device
+        return torch.device("cpu")
 
     def reset_residuals(self) -> None:
         """Zero the residuals (after the masters were reloaded from the model)."""
@@ -258,13 +288,19 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
         raise NotImplementedError(f"--export-cast fair does not support --optimizer-cpu-offload yet ({where})")
 
 
-def install(optimizer, config: ExportCastConfig, model_chunks) -> list[MegatronExport]:
+def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool = False,
+            sample: int = 65536, max_lag: int = 100) -> list[MegatronExport]:
     """Put Fair Cast into a Megatron optimizer built by ``get_megatron_optimizer``.
 
     Args:
         optimizer: the optimizer (a ``ChainedOptimizer`` or a leaf) for ``model_chunks``.
         config: the export-cast config; with mode ``nearest`` nothing is changed (stock).
         model_chunks: the list of (DDP-wrapped) model chunks the optimizer was built for.
+        telemetry: measure drift at every export (a :class:`~faircast_dist.telemetry.DriftSample`
+            per leaf, read with :func:`megatron_patches.telemetry.drift_metrics`); then this call
+            is collective over the default process group (one all-reduce of the model size).
+        sample: about how many elements of the whole model the telemetry watches.
+        max_lag: K, past master samples kept for ``lag_steps``.
 
     Returns:
         One :class:`MegatronExport` per leaf optimizer (also at ``leaf.export_cast``); ``[]``
@@ -295,9 +331,23 @@ def install(optimizer, config: ExportCastConfig, model_chunks) -> list[MegatronE
                                           "(quantized by Megatron, not cast to bf16)")
         _wrap(leaf, export)
         exports.append(export)
+    if telemetry:
+        _start_telemetry(exports, sample, max_lag)
     logger.info("Fair Cast: master->bf16 export cast uses %s (seed %d) on %s", config.effective_method,
                 config.seed, ", ".join(type(o).__name__ for o in leaves))
     return exports
+
+
+def _start_telemetry(exports: list[MegatronExport], sample: int, max_lag: int) -> None:
+    """Give every export a DriftSample with a stride from the whole model's size (collective)."""
+    counted = sum(s.end - s.start for e in exports for s in e.shards() if e.counts(s))
+    device = exports[0].device() if exports else torch.device("cpu")
+    total = torch.tensor([counted], dtype=torch.int64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    stride = sample_stride(int(total.item()), sample)
+    for export in exports:
+        export.drift = DriftSample(stride, max_lag)
 
 
 def _wrap(leaf, export: MegatronExport) -> None:

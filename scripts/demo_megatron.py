@@ -132,7 +132,7 @@ def build(args, hf):
                                  **{k: v for k, v in vars(args).items() if k in fields})
     optimizer = get_megatron_optimizer(opt_config, [model])
     config = megatron_patches.config_from_args(args)  # refuses fair without --bf16, names the flag
-    megatron_patches.install(optimizer, config, [model])
+    megatron_patches.install(optimizer, config, [model], telemetry=True)  # what Megatron-LM would log
     return model, optimizer, config
 
 
@@ -168,8 +168,8 @@ def train_step(model, optimizer, batches, args) -> float:
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
-    from megatron_patches import config_from_args
-    trainer_cast = config_from_args(args).effective_method  # flag errors before any process group
+    import megatron_patches
+    trainer_cast = megatron_patches.config_from_args(args).effective_method  # flag errors before any process group
     from tqdm import tqdm
 
     from megatron_llama import megatron_to_hf, padded_groups, padding_masks
@@ -212,7 +212,7 @@ def main(argv=None):
               f"({exports.numel} counted; KV groups {hf_config.num_key_value_heads} -> "
               f"{padded_groups(hf_config.num_key_value_heads, tp)}); "
               f"ready in {time.perf_counter() - t_load:.0f} s", flush=True)
-    records, trainer_matches, padding_zero = [], True, True
+    records, trainer_matches, padding_zero, live = [], True, True, []
     bar = tqdm(range(1, args.train_iters + 1), desc="training", disable=rank != 0)
     micro = args.global_batch_size // per_step
     from megatron.core import parallel_state as ps
@@ -224,6 +224,7 @@ def main(argv=None):
         loss = torch.tensor(train_step(model, optimizer, batches, args)).cuda()  # .cuda(): no-op on the CPU shim
         dist.all_reduce(loss)
         loss = loss.item() / world
+        live.append(megatron_patches.drift_metrics(optimizer))  # collective; None with --export-cast nearest
         master, served = gather_master(), gather_served()
         if rank == 0:
             torch.set_num_threads(os.cpu_count() or 1)  # the other ranks wait at the next collective
@@ -240,6 +241,17 @@ def main(argv=None):
                  "the bf16 grid)" if args.model == "smollm2" else "tiny random Llama (3 KV groups)")
         notes = ([f"KV-group padding for TP still exactly zero in the master at every step: {padding_zero}"]
                  if masks else []) + [f"Start weights: {start}"]
+        if live[0] is not None:  # the trainer's own telemetry: what TensorBoard / W&B get
+            mine = [r for r in records if r["method"] == trainer_cast]
+            mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
+            notes += [f"Trainer's own telemetry (megatron_patches.drift_metrics, sampled on every rank; side by side "
+                      f"above in brackets), from step 2 (step 1 has no previous served model there): changed "
+                      f"{100 * mean([d['export-cast/changed-fraction'] for d in live[1:]]):.3f}%/step "
+                      f"({mean([r['changed_pct'] for r in mine[1:]]):.3f}), lag at end {live[-1]['export-cast/lag-steps']} "
+                      f"({mine[-1]['lag_steps']}), gap {mean([d['export-cast/gap-ulps'] for d in live[1:]]):.3f} ulps "
+                      f"({mean([r['gap_ulps'] for r in mine[1:]]):.3f}), export "
+                      f"{sorted(d['export-cast/export-ms'] for d in live)[len(live) // 2]:.1f} ms (median) on the "
+                      f"slowest rank"]
         summarize(records, trainer_cast, args.out_dir, trainer_matches, notes=tuple(notes),
                   title=f"Fair Cast drift telemetry, Megatron TP={tp}")
     dist.barrier()

@@ -109,6 +109,10 @@ def _worker(rank, world_size, port, opts, out_path):
         model = tiny_model()
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
     export = getattr(engine.optimizer, "fair_export", None)
+    if opts["monitor_sample"]:  # watch a smaller sample than the default (the tiny model is smaller)
+        from deepspeed_hooks.monitor import DriftMonitor
+        export.drift = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names),
+                                    sample=opts["monitor_sample"])
     first = 0
     if opts["load_dir"]:
         engine.load_checkpoint(opts["load_dir"], tag=opts["load_tag"])
@@ -198,7 +202,8 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
         hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None,
         load_tag: str | None = None, preset: tuple = (), save_at: tuple = (),
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
-        zero_extra: dict | None = None, save_final: bool = True, device: str = "cpu") -> list[dict]:
+        monitor_sample: int | None = None, zero_extra: dict | None = None, save_final: bool = True,
+        device: str = "cpu") -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
@@ -213,7 +218,7 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
                 save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
-                zero_extra=zero_extra, save_final=save_final, device=device)
+                monitor_sample=monitor_sample, zero_extra=zero_extra, save_final=save_final, device=device)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         for attempt in range(3):

@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 # -- model and optimizer ---------------------------------------------------------------------------
-def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install"):
+def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemetry: int | None = None):
     """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
@@ -76,10 +76,14 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install"):
     if how == "activate":  # the one-line activation, then the stock entry point
         megatron_patches.activate(config=config)
         optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
+    elif how == "megatron_lm":  # activate() reading the (stand-in) Megatron-LM arguments
+        megatron_patches.activate()
+        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
     else:
         optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
         if how == "install":
-            megatron_patches.install(optimizer, config, [model])  # how == "none": stock
+            megatron_patches.install(optimizer, config, [model], telemetry=telemetry is not None,
+                                     sample=telemetry or 1)  # how == "none": stock
     return model, optimizer, cfg
 
 
@@ -262,9 +266,12 @@ def _run_job(tp, pp, job: dict) -> dict:
     config = ExportCastConfig.from_value(job.get("export_cast"))
     ef = config.effective_method == "error_feedback"
     record = {"snaps": [], "mismatch": 0, "rtn_differs": 0}
+    if "megatron_lm" in job:
+        lm = megatron_lm_standin(job["megatron_lm"])
     try:
         model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
-                                    fp16=job.get("fp16", False), how=job.get("how", "install"))
+                                    fp16=job.get("fp16", False), how=job.get("how", "install"),
+                                    telemetry=job.get("telemetry"))
     except Exception as err:  # misuse cases record the error
         record["error"] = f"{type(err).__name__}: {err}"
         return record
@@ -287,9 +294,16 @@ def _run_job(tp, pp, job: dict) -> dict:
             prev = snap
     prev = record.get("loaded") or snapshot(model, optimizer, ef)
     first = job.get("first", 0)
+    record["drift"] = []
+    record["drift_on"] = [e.drift is not None for e in exports(optimizer)]
     for k in range(job.get("steps", 0)):
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
         train_step(model, optimizer, first + k)
+        if "megatron_lm" in job:  # as Megatron-LM's train() does after every iteration
+            lm.training.training_log({}, {}, 1e-3, None, first + k + 1, 1.0, False, 0, 1.0, None, None)
+        elif job.get("telemetry"):
+            from megatron_patches import drift_metrics
+            record["drift"].append(drift_metrics(optimizer))
         snap = snapshot(model, optimizer, ef)
         if step is not None:
             mm, dif = reference_mismatch(config, step, snap, prev["residual"])
@@ -301,6 +315,8 @@ def _run_job(tp, pp, job: dict) -> dict:
             save(model, optimizer, job["save"], job.get("sharding", "dp_reshardable"))
             record["saved"] = snap
             record["saved_step"] = [e.caster.step for e in exports(optimizer)]
+    if "megatron_lm" in job:
+        record["written"] = list(lm.written)
     if job.get("param_buffer"):
         record["param_buffer"] = _compare_copy_paths(model, optimizer)
     if job.get("reload"):
@@ -308,6 +324,26 @@ def _run_job(tp, pp, job: dict) -> dict:
         record["after_reload"] = snapshot(model, optimizer, ef)
     record["replica_mismatch"] = sum(s["replica_mismatch"] for s in record["snaps"])
     return record
+
+
+_STANDIN = []  # one set of Megatron-LM stand-ins per process, as Megatron-LM has one megatron.training
+
+
+def megatron_lm_standin(argv: list[str]):
+    """The Megatron-LM stand-ins (``megatron_lm_standin.py``), with ``get_args()`` parsing ``argv``
+    and an empty writers' record."""
+    import sys
+
+    import megatron
+    from megatron_lm_standin import modules
+    if not _STANDIN:
+        _STANDIN.append(modules())
+        sys.modules.update(_STANDIN[0].sys_modules)
+        megatron.training = _STANDIN[0].package
+    fake = _STANDIN[0]
+    fake.global_vars.get_args = lambda: fake.arguments.parse_args(None, argv)  # activate() adds --export-cast*
+    fake.written.clear()
+    return fake
 
 
 def _compare_copy_paths(model, optimizer):

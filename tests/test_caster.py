@@ -146,3 +146,71 @@ def test_state_dict_is_a_snapshot_and_residual_dtype_is_applied_on_load():
     half = FairCaster({"mode": "fair", "method": "error_feedback", "residual_dtype": "bfloat16"})
     half.load_state_dict(saved)
     assert half.residuals["w"].dtype == torch.bfloat16
+
+
+# -- on-device drift telemetry (DriftSample) ------------------------------------------------------
+def test_sample_stride_is_a_prime_giving_about_the_sample():
+    from faircast_dist.telemetry import sample_stride
+    assert sample_stride(0) == sample_stride(65536) == 1
+    for total, sample in [(10**6, 1000), (1_700_000_000, 65536), (12345, 7)]:
+        n = sample_stride(total, sample)
+        assert n >= total / sample and all(n % d for d in range(2, int(n ** 0.5) + 1))
+        assert total / n > sample / 2
+    with pytest.raises(ValueError, match="sample"):
+        sample_stride(10, 0)
+
+
+def test_sampled_positions_do_not_depend_on_the_sharding():
+    """Shards of a param, in any order and buffer offset, sample exactly the whole param's elements."""
+    from faircast_dist.telemetry import sampled_positions
+    g = torch.Generator().manual_seed(0)
+    for stride in (1, 2, 7, 31):
+        whole = set(sampled_positions([("p", 0, 1000, 0)], stride).tolist())
+        assert abs(len(whole) - 1000 / stride) <= 1
+        cuts = sorted(torch.randint(1, 1000, (5,), generator=g).tolist())
+        rows, offset = [], 500  # shards packed into one buffer from position 500, last shard first
+        for lo, hi in reversed(list(zip([0] + cuts, cuts + [1000]))):
+            rows.append(("p", offset, hi - lo, lo))
+            offset += hi - lo
+        got = set()
+        for name, start, numel, index in rows:
+            pos = sampled_positions([(name, start, numel, index)], stride)
+            assert bool(((pos >= start) & (pos < start + numel)).all())
+            got |= set((pos - start + index).tolist())
+        assert got == whole
+    other = set(sampled_positions([("q", 0, 1000, 0)], 31).tolist())
+    assert other != set(sampled_positions([("p", 0, 1000, 0)], 31).tolist())  # the phase depends on the name
+
+
+def test_drift_sample_measures_changed_fraction_gap_and_lag():
+    from faircast_dist.telemetry import DriftSample, reduce_drift
+    g = torch.Generator().manual_seed(1)
+    masters = [torch.randn(3000, generator=g)]
+    for _ in range(8):
+        masters.append(masters[-1] + 0.01 * torch.randn(3000, generator=g))
+    rows = [("a", 0, 1000, 0), ("b", 1000, 2000, 0)]
+    drift = DriftSample(stride=1, max_lag=5)
+    for t, m in enumerate(masters):
+        served = masters[max(t - 2, 0)].to(torch.bfloat16)  # two exports behind
+        drift.observe([("buf", m, served, rows)])
+        got = reduce_drift([drift], export_ms=3.0)
+        assert got["lag_steps"] == min(t, 2) and got["export_ms"] == 3.0
+        assert got["gap_ulps"] == pytest.approx(gap_ulps(served, m), rel=1e-6)
+        want = changed_fraction(masters[max(t - 3, 0)].to(torch.bfloat16), served) if t else 0.0
+        assert got["changed_fraction"] == pytest.approx(want, rel=1e-6)  # float32 mean there
+    nan = masters[-1].clone()
+    nan[:10] = float("nan")
+    drift.observe([("buf", nan, nan.to(torch.bfloat16), rows)])  # non-finite masters are left out of gap and lag
+    got = reduce_drift([drift])
+    assert got["lag_steps"] == 0 and got["gap_ulps"] == pytest.approx(gap_ulps(nan.to(torch.bfloat16), nan), rel=1e-6)
+
+
+def test_reduce_drift_refuses_samples_that_have_not_observed():
+    from faircast_dist.telemetry import DriftSample, reduce_drift
+    with pytest.raises(ValueError, match="observed"):
+        reduce_drift([DriftSample(1)])
+    a, b = DriftSample(1, max_lag=3), DriftSample(1, max_lag=4)
+    for s in (a, b):
+        s.observe([], device="cpu")
+    with pytest.raises(ValueError, match="disagree"):
+        reduce_drift([a, b])

@@ -226,28 +226,35 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_as_latest(tmp_path):
         assert_same(straight["residual"][3 + k], resumed["residual"][k])
 
 
-@pytest.mark.parametrize("path", ["zero2", "zero3"])
-def test_drift_telemetry_reaches_deepspeed_csv_monitor(path, tmp_path):
+@pytest.mark.parametrize("path,sample", [("zero2", None), ("zero3", 300), ("stage0", 300)])
+def test_drift_telemetry_reaches_deepspeed_csv_monitor(path, sample, tmp_path):
+    """The monitor's values equal those of one DriftSample fed the gathered whole model: the
+    sample is chosen by global element index, and each element counts once (stage 0: rank 0)."""
     import csv
-    from faircast_dist.telemetry import changed_fraction, gap_ulps
-    rank0 = run(2, path=path, export_cast=SR, steps=4, monitor_dir=str(tmp_path))[0]
-    folder = tmp_path / "fair"
+    from faircast_dist.telemetry import DriftSample, changed_fraction, reduce_drift, sample_stride
+    rank0 = run(2, path=path, export_cast=SR, steps=4, monitor_dir=str(tmp_path), monitor_sample=sample)[0]
     series = {}
-    for f in folder.glob("*.csv"):
+    for f in (tmp_path / "fair").glob("*.csv"):
         with open(f) as fh:
-            rows = list(csv.reader(fh))[1:]
-        series[f.stem] = [(int(step), float(v)) for step, v in rows]
-    for key in ("changed_fraction", "lag_steps", "gap_ulps", "export_ms"):
-        assert len(series[f"Train_Samples_export_cast_{key}"]) == 4, sorted(series)
-    flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
-    for t in range(1, 4):  # changed_fraction counts every element: exact
-        want = changed_fraction(flat(rank0["bf16"][t - 1]), flat(rank0["bf16"][t]))
-        assert series["Train_Samples_export_cast_changed_fraction"][t][1] == pytest.approx(want, rel=1e-6)  # float32 mean there
-    gaps = [v for _, v in series["Train_Samples_export_cast_gap_ulps"]]
-    full = [gap_ulps(flat(rank0["bf16"][t]), flat(rank0["master"][t])) for t in range(4)]
-    assert gaps == pytest.approx(full, rel=1e-5)  # the tiny model is smaller than the sample
-    assert all(v == 0 for _, v in series["Train_Samples_export_cast_lag_steps"])  # SR at lr 1e-3 keeps up
-    assert all(v > 0 for _, v in series["Train_Samples_export_cast_export_ms"])
+            series[f.stem.removeprefix("Train_Samples_export_cast_")] = [float(v) for _, v in list(csv.reader(fh))[1:]]
+    assert all(len(series[k]) == 4 for k in ("changed_fraction", "lag_steps", "gap_ulps", "export_ms")), series
+    assert all(v > 0 for v in series["export_ms"])
+    numel = sum(t.numel() for t in rank0["master"][0].values())
+    whole = DriftSample(sample_stride(numel, sample or 65536))
+    for t in range(4):
+        whole.observe([(n, rank0["master"][t][n], rank0["bf16"][t][n].reshape(-1), [(n, 0, m.numel(), 0)])
+                       for n, m in rank0["master"][t].items()])
+        want = reduce_drift([whole])
+        assert series["changed_fraction"][t] == pytest.approx(want["changed_fraction"], rel=1e-9)
+        assert series["gap_ulps"][t] == pytest.approx(want["gap_ulps"], rel=1e-9)
+        assert series["lag_steps"][t] == want["lag_steps"]
+    assert whole.stride > 1 if sample else whole.stride == 1
+    if sample is None:  # every element watched: the exact changed fraction
+        flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
+        for t in range(1, 4):
+            exact = changed_fraction(flat(rank0["bf16"][t - 1]), flat(rank0["bf16"][t]))
+            assert series["changed_fraction"][t] == pytest.approx(exact, rel=1e-6)
+    assert all(v == 0 for v in series["lag_steps"])  # SR at lr 1e-3 keeps up
 
 
 def test_round_robin_gradients_is_refused():

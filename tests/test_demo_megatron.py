@@ -25,6 +25,7 @@ def test_megatron_demo_runs_and_trainer_matches_its_side_by_side_export(method, 
     # the TP-sharded Megatron trainer served exactly what the single-process exporter computes
     assert f"bit-identical to the side-by-side {trainer_cast} export at every step: True" in out
     assert "KV-group padding for TP still exactly zero in the master at every step: True" in out
+    assert "Trainer's own telemetry (megatron_patches.drift_metrics" in out
     with open(tmp_path / "telemetry.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["step"], r["method"]) for r in rows] == [

@@ -34,6 +34,7 @@ CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "ful
 LAYOUTS = [(1, 1, 1, True), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, True), (1, 1, 2, False),
            (2, 1, 2, True), (2, 2, 1, False)]
 BIG = {(2, 1, 2, True), (2, 2, 1, False)}  # 4 ranks: marked slow
+TELEMETRY = {(1, 1, 2, True): 300, (2, 2, 1, False): 300, (1, 1, 2, False): 65536}  # layout: sample size
 
 
 def layout_id(layout):
@@ -59,6 +60,15 @@ def _jobs(layout):
     if layout == (2, 1, 1, True):
         jobs["full_ef"] = dict(export_cast=EF, distopt=True, steps=STEPS, save=CKPT["full_ef"],
                                save_after=SAVE_AFTER, sharding="fully_reshardable")
+    if layout in TELEMETRY:
+        jobs["telemetry"] = dict(export_cast=SR, distopt=distopt, steps=3, telemetry=TELEMETRY[layout])
+    if layout == (1, 1, 2, True):  # Megatron-LM's logging path (stand-ins for megatron.training); last:
+        lm = ["--bf16", "--export-cast", "fair", "--export-cast-seed", "7", "--log-interval", "2"]
+        jobs["lm_tensorboard"] = dict(how="megatron_lm", export_cast=SR, steps=4, megatron_lm=lm + ["--tensorboard-dir", "tb"])
+        jobs["lm_wandb"] = dict(how="megatron_lm", export_cast=SR, steps=2, megatron_lm=lm + ["--wandb-project", "p"])
+        jobs["lm_no_writer"] = dict(how="megatron_lm", export_cast=SR, steps=2, megatron_lm=lm)  # activate() leaves it wrapped
+        jobs["lm_flag_off"] = dict(how="megatron_lm", export_cast=SR, steps=2,
+                                   megatron_lm=lm + ["--tensorboard-dir", "tb", "--no-export-cast-telemetry"])
     if layout == (1, 1, 2, False):
         jobs["f16_ef"] = dict(export_cast=EF, distopt=False, steps=STEPS, save=CKPT["f16_ef"], save_after=SAVE_AFTER,
                               reload=True)
@@ -231,3 +241,58 @@ def test_float16_optimizer_checkpoint_resumes_at_pp2():
     resumed = resume_run(1, 2, 1)["f16_ef_dp2_to_pp2"]
     _check_loaded_is_saved(layout_run(SAVED_BY["f16_ef"])["f16_ef"], resumed)
     assert resumed["mismatch"] == 0 and len(resumed["snaps"]) == STEPS - SAVE_AFTER
+
+
+# -- drift telemetry (megatron_patches.telemetry) ----------------------------------------------------
+def whole_model_drift(snaps, sample):
+    """The telemetry of one DriftSample fed the gathered whole model at each step (canonical names)."""
+    from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
+    from megatron_worker import canonical
+
+    def per_param(snap):
+        for key, master in snap["master"].items():
+            layered = ".layers." in f".{key}"
+            for layer in range(master.shape[0]) if layered else [None]:
+                m = (master[layer] if layered else master).reshape(-1)
+                s = (snap["served"][key][layer] if layered else snap["served"][key]).reshape(-1)
+                yield canonical(key, layer), m, s.view(torch.bfloat16)
+    numel = sum(m.numel() for _, m, _ in per_param(snaps[0]))
+    drift, out = DriftSample(sample_stride(numel, sample)), []
+    for snap in snaps:
+        drift.observe([(n, m, s, [(n, 0, m.numel(), 0)]) for n, m, s in per_param(snap)])
+        out.append({f"export-cast/{k.replace('_', '-')}": v for k, v in reduce_drift([drift]).items()})
+    return out, drift.stride
+
+
+@pytest.mark.parametrize("layout", [params(l) for l in TELEMETRY])
+def test_drift_telemetry_equals_the_gathered_models(layout):
+    """Every rank measures only what it casts, each element counted once (TP-duplicated norms,
+    the last stage's tied embedding, Float16 DP replicas are left out): the reduced numbers are
+    those of the whole gathered model."""
+    record = layout_run(layout)["telemetry"]
+    want, stride = whole_model_drift(record["snaps"], TELEMETRY[layout])
+    assert (stride > 1) == (TELEMETRY[layout] < 1000)
+    assert len(record["drift"]) == 3 and record["drift_on"] and all(record["drift_on"])
+    for got, expected in zip(record["drift"], want):
+        assert got.keys() == expected.keys()
+        for name in ("export-cast/changed-fraction", "export-cast/gap-ulps"):
+            assert got[name] == pytest.approx(expected[name], rel=1e-9), name
+        assert got["export-cast/lag-steps"] == expected["export-cast/lag-steps"]
+        assert got["export-cast/export-ms"] > 0
+    assert any(d["export-cast/changed-fraction"] > 0 for d in record["drift"][1:])
+
+
+def test_megatron_lm_logs_drift_at_log_interval_to_tensorboard_and_wandb():
+    records = layout_run((1, 1, 2, True))
+    tb = records["lm_tensorboard"]
+    want, _ = whole_model_drift(tb["snaps"], 65536)
+    names = sorted(want[0])
+    assert sorted({(name, step) for _, name, _, step in tb["written"]}) == [(n, s) for n in names for s in (2, 4)]
+    assert {w for w, *_ in tb["written"]} == {"tb"}
+    for _, name, value, step in tb["written"]:
+        if name != "export-cast/export-ms":
+            assert value == pytest.approx(want[step - 1][name], rel=1e-9), (name, step)
+    assert {(w, name, step) for w, name, _, step in records["lm_wandb"]["written"]} == {("wandb", n, 2) for n in names}
+    for off in ("lm_no_writer", "lm_flag_off"):  # nothing measured, nothing written
+        assert records[off]["written"] == [] and records[off]["drift_on"] == [False], off
+    assert records["lm_flag_off"]["installed"] == ["DistributedOptimizer"]  # Fair Cast itself stays on

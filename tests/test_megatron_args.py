@@ -1,7 +1,6 @@
 """``--export-cast`` arguments, the one-line activation and the misuse errors (single process)."""
 import argparse
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -83,35 +82,18 @@ def test_optimizer_config_checks():
 @pytest.fixture
 def fake_megatron_training(monkeypatch):
     """Megatron-LM's megatron.training (not in the megatron-core wheel): just what activate() uses."""
+    import megatron
     import megatron.core.optimizer as core_optimizer
 
-    training = types.ModuleType("megatron.training")
-    arguments = types.ModuleType("megatron.training.arguments")
-    global_vars = types.ModuleType("megatron.training.global_vars")
-    training_loop = types.ModuleType("megatron.training.training")
-
-    def add_megatron_arguments(parser):
-        parser.add_argument("--bf16", action="store_true")
-        return parser
-
-    def parse_args(extra_args_provider=None, argv=()):  # Megatron-LM's order of calls
-        parser = argparse.ArgumentParser(allow_abbrev=False)
-        parser = arguments.add_megatron_arguments(parser)
-        if extra_args_provider is not None:
-            parser = extra_args_provider(parser)
-        return parser.parse_args(list(argv))
-
-    arguments.add_megatron_arguments, arguments.parse_args = add_megatron_arguments, parse_args
-    training_loop.get_megatron_optimizer = core_optimizer.get_megatron_optimizer  # imported by name
-    for name, module in [("megatron.training", training), ("megatron.training.arguments", arguments),
-                         ("megatron.training.global_vars", global_vars),
-                         ("megatron.training.training", training_loop)]:
+    from megatron_lm_standin import modules
+    fake = modules()
+    for name, module in fake.sys_modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    training.arguments = arguments
+    monkeypatch.setattr(megatron, "training", fake.package, raising=False)
     monkeypatch.setattr(core_optimizer, "get_megatron_optimizer", core_optimizer.get_megatron_optimizer)
     monkeypatch.setattr(megatron_patches, "_ORIGINAL", {})
-    return SimpleNamespace(arguments=arguments, global_vars=global_vars, training=training_loop,
-                           core_optimizer=core_optimizer)
+    fake.core_optimizer = core_optimizer
+    return fake
 
 
 def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_training):
@@ -127,6 +109,7 @@ def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_
     for module in (fake.core_optimizer, fake.training):
         assert module.get_megatron_optimizer is not original
         assert module.get_megatron_optimizer.__wrapped__ is original
+    assert fake.training.training_log._faircast and not hasattr(fake.training.training_log.__wrapped__, "_faircast")
     # the wrapper reads the parsed arguments at optimizer build time
     fake.global_vars.get_args = lambda: fake.arguments.parse_args(
         None, ["--bf16", "--export-cast", "fair", "--export-cast-method", "error-feedback"])
@@ -134,3 +117,18 @@ def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_
     fake.global_vars.get_args = lambda: fake.arguments.parse_args(None, ["--export-cast", "fair"])
     with pytest.raises(ValueError, match="--bf16"):
         megatron_patches._args_config()
+
+
+@pytest.mark.parametrize("argv,on", [
+    ([], False),  # no writer: nothing to log to
+    (["--tensorboard-dir", "tb"], True),
+    (["--wandb-project", "p"], True),
+    (["--tensorboard-dir", "tb", "--no-export-cast-telemetry"], False),
+    (["--wandb-project", "p", "--export-cast-telemetry"], True),
+])
+def test_telemetry_is_on_with_a_writer_unless_turned_off(argv, on):
+    from megatron_patches.telemetry import logging_on
+    parser = megatron_like_parser()
+    parser.add_argument("--tensorboard-dir")
+    parser.add_argument("--wandb-project")
+    assert logging_on(add_export_cast_args(parser).parse_args(argv)) is on
