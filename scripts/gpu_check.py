@@ -5,8 +5,9 @@
 
 Checks, in order (each line says what was compared; sizes are the GPU's, ``--cpu`` uses smaller):
 
-1. kernels (issue 7): the fused cast on the device (Triton on CUDA, the compiled CPU kernel with
-   ``--cpu``) == the plain-torch reference on the CPU, bitwise (any NaN for a NaN): 16M random fp32
+1. kernels (issue 7): the fused cast on the device (Triton on CUDA; with ``--cpu`` the compiled CPU
+   kernel, then Triton in its interpreter) == the plain-torch reference on the CPU, bitwise (any NaN
+   for a NaN): 16M random fp32
    bit patterns with one shard crossing global index 2**32; random shards with gaps, mid-block
    starts and indices >= 2**32; strided TP blocks (one segment per row); error feedback with an
    fp32 and a bf16 residual over two steps; and (CUDA) no host sync in a steady-state export
