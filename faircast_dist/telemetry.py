@@ -92,7 +92,7 @@ class LagTracker:
         if numel <= 0 or sample_size <= 0 or max_lag < 0:
             raise ValueError(f"LagTracker needs numel > 0, sample_size > 0, max_lag >= 0; got "
                              f"{numel=}, {sample_size=}, {max_lag=}")
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(device="cpu").manual_seed(seed)
         self.index = torch.randint(numel, (sample_size,), generator=g, device="cpu").sort().values
         self.history: deque[torch.Tensor] = deque(maxlen=max_lag + 1)
 

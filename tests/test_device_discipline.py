@@ -33,10 +33,7 @@ FACTORIES = frozenset({
 })
 
 # (file, enclosing function, factory) -> why it may run without device=. Keep it short.
-ALLOWED: dict[tuple[str, str, str], str] = {
-    ("faircast_dist/telemetry.py", "LagTracker.__init__", "Generator"):
-        "seeds the host-side choice of the sample (torch.randint(..., device='cpu') on the next line)",
-}
+ALLOWED: dict[tuple[str, str, str], str] = {}
 
 
 def factory_calls_without_device(source: str, path: str = "<snippet>") -> list[tuple[str, int, str, str]]:
