@@ -7,7 +7,7 @@ then on to the device) and in ``BF16_Optimizer.update_lp_params`` — then call 
 ``all_gather_dp_groups`` (also from ``update_lp_params`` after a universal-checkpoint load).
 
 Fair Cast takes the place of that copy, so the step makes one pass over the partition, not two:
-while the wrapped ``step`` runs, a ``TorchFunctionMode`` (:class:`_CopyIsFairCast`) turns exactly
+while the wrapped ``step`` runs, :class:`faircast_dist.copy_hook.ReplaceCopies` turns exactly
 that ``copy_`` — destination the group's bf16 partition or staging buffer, source its fp32
 partition, matched by storage address and size — into the group's fused Fair Cast into the same
 destination (padding between fragments gets the stock round-to-nearest copy, so every bit of the
@@ -35,6 +35,7 @@ from deepspeed.runtime import bf16_optimizer
 from deepspeed.runtime.zero import stage_1_and_2
 
 from deepspeed_hooks.export import Fragment, OptimizerExport, wrap_methods
+from faircast_dist.copy_hook import ReplaceCopies
 
 _EXPORTS: "weakref.WeakValueDictionary[int, FlatPartitionExport]" = weakref.WeakValueDictionary()
 
@@ -65,7 +66,14 @@ class FlatPartitionExport(OptimizerExport):
         return out
 
     def step_context(self):
-        return _CopyIsFairCast(self)
+        return ReplaceCopies(self.replace_copy)
+
+    def replace_copy(self, dest: torch.Tensor, src: torch.Tensor) -> bool:
+        """If ``dest.copy_(src)`` is a group's stock copy, do its Fair Cast instead (True)."""
+        i = self.copy_target(dest, src)
+        if i is not None:
+            self.cast_copy(i, dest)
+        return i is not None
 
     def copy_target(self, dest: torch.Tensor, src: torch.Tensor) -> int | None:
         """The group whose stock master->bf16 copy ``dest.copy_(src)`` is, or None."""
@@ -93,23 +101,6 @@ class FlatPartitionExport(OptimizerExport):
             if start > end:
                 dest.narrow(0, end, start - end).copy_(flat.narrow(0, end, start - end))
             end = None if f is None else max(end, f.start + f.numel)
-
-
-class _CopyIsFairCast(torch.overrides.TorchFunctionMode):
-    """Inside a wrapped ``step``: the stock copy of a group's fp32 partition into its bf16
-    destination becomes :meth:`FlatPartitionExport.cast_copy`; everything else passes through."""
-
-    def __init__(self, export: FlatPartitionExport):
-        super().__init__()
-        self.export = export
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_ and len(args) == 2 and not kwargs:
-            i = self.export.copy_target(*args)
-            if i is not None:
-                self.export.cast_copy(i, args[0])
-                return args[0]
-        return func(*args, **(kwargs or {}))
 
 
 def _gather_with_fair_cast(original, groups_flat, partitioned_param_groups, *args, **kwargs):

@@ -87,6 +87,23 @@ def leaves(optimizer):
     return sub_optimizers(optimizer)
 
 
+class CopyProbe(torch.overrides.TorchFunctionMode):
+    """Counts ``copy_`` calls that reach torch with a bf16 destination and one of the optimizer's
+    fp32 masters of bf16 params as the source (Megatron's stock round-to-nearest copy)."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self.masters, self.count = set(), 0
+        for leaf in leaves(optimizer):
+            groups = getattr(leaf, "shard_fp32_from_float16_groups", None) or getattr(leaf, "fp32_from_float16_groups", [])
+            self.masters |= {m.data_ptr() for group in groups for m in group}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and args[0].dtype == torch.bfloat16 and args[1].data_ptr() in self.masters:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def exports(optimizer):
     return [leaf.export_cast for leaf in leaves(optimizer) if hasattr(leaf, "export_cast")]
 
@@ -260,7 +277,7 @@ def _run_job(tp, pp, job: dict) -> dict:
     from faircast_dist import ExportCastConfig
     config = ExportCastConfig.from_value(job.get("export_cast"))
     ef = config.effective_method == "error_feedback"
-    record = {"snaps": [], "mismatch": 0, "rtn_differs": 0}
+    record = {"snaps": [], "mismatch": 0, "rtn_differs": 0, "master_copies": 0}
     try:
         model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
                                     fp16=job.get("fp16", False), how=job.get("how", "install"))
@@ -277,7 +294,9 @@ def _run_job(tp, pp, job: dict) -> dict:
         prev = snapshot(model, optimizer, ef)
         for _ in range(job.get("exports", 1)):
             step = exports(optimizer)[0].caster.step
-            export_only(model, optimizer)
+            with CopyProbe(optimizer) as probe:
+                export_only(model, optimizer)
+            record["master_copies"] += probe.count
             snap = snapshot(model, optimizer, ef)
             mm, dif = reference_mismatch(config, step, snap, prev["residual"])
             record["mismatch"] += mm
@@ -288,7 +307,9 @@ def _run_job(tp, pp, job: dict) -> dict:
     first = job.get("first", 0)
     for k in range(job.get("steps", 0)):
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
-        train_step(model, optimizer, first + k)
+        with CopyProbe(optimizer) as probe:
+            train_step(model, optimizer, first + k)
+        record["master_copies"] += probe.count
         snap = snapshot(model, optimizer, ef)
         if step is not None:
             mm, dif = reference_mismatch(config, step, snap, prev["residual"])

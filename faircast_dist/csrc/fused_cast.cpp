@@ -25,8 +25,14 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "lane order assumes a l
 
 namespace {
 
-constexpr int64_t TILE = 4096;        // elements per tile (a multiple of 8)
-constexpr int64_t TILE_BLOCKS = TILE / 8;
+constexpr int64_t TILE = 4096;  // elements per tile: the unit of parallel work (a multiple of SUB)
+// Philox runs for SUB elements at a time, then they are rounded: the random words (SUB / 2 bytes)
+// stay in L1 next to the data, and the loads overlap the integer work. Measured on this 2-core
+// EPYC, 1 thread, 50M elements (CPU time, /tmp microbenchmark): SR took 1.75x an fp32->bf16 RTN
+// loop with Philox for a whole 4096-element tile first (8 KiB of words: with the 16 KiB of fp32
+// and 8 KiB of bf16 the tile overflows a 32 KiB L1d), 1.2-1.3x with SUB = 128..512, 1.5x with 64.
+constexpr int64_t SUB = 256;
+static_assert(TILE % SUB == 0 && SUB % 8 == 0, "tiles and sub-tiles must hold whole Philox blocks");
 constexpr uint32_t SIGN = 0x80000000u, MAG = 0x7fffffffu, INF = 0x7f800000u, SAT = 0x7f7f0000u;
 constexpr float BF16_MAX = 3.38953139e38f;  // 0x7f7f0000
 
@@ -121,9 +127,9 @@ struct Tiles {
   void locate(int64_t t, int64_t& s, int64_t& lo, int64_t& hi) const {
     s = (int64_t)(std::upper_bound(prefix.begin(), prefix.end(), t) - prefix.begin()) - 1;
     const int64_t g0 = seg[COLS * s + C_INDEX], n = seg[COLS * s + C_NUMEL];
-    const int64_t w = (g0 / TILE + (t - prefix[s])) * TILE;  // the tile's global window start
-    lo = std::max(w, g0) - g0;
-    hi = std::min(w + TILE, g0 + n) - g0;
+    const int64_t w = (g0 / TILE + (t - prefix[s])) * TILE - g0;  // the tile's window, from g0
+    lo = std::max(w, (int64_t)0);
+    hi = std::min(w + TILE, n);  // (w + g0 + TILE could pass INT64_MAX)
   }
 };
 
@@ -170,15 +176,21 @@ void cast_stochastic_multi(const std::vector<torch::Tensor>& masters, std::vecto
   const auto o = pointers<uint16_t>(outs, torch::kBFloat16, "outs", &size);
   const Tiles tiles = make_tiles(segments, size);
   at::parallel_for(0, tiles.total(), 4, [&](int64_t begin, int64_t end) {
-    alignas(64) uint32_t words[4 * (TILE_BLOCKS + 1)];
+    alignas(64) uint32_t words[4 * SUB / 8];
     for (int64_t t = begin; t < end; ++t) {
       int64_t s, lo, hi;
       tiles.locate(t, s, lo, hi);
       const int64_t* row = tiles.seg + COLS * s;
-      const int64_t k = row[C_TENSOR], off = row[C_START] + lo, g = row[C_INDEX] + lo;
-      const uint64_t blk0 = (uint64_t)g / 8;
-      philox_blocks(blk0, ((uint64_t)(g + (hi - lo) - 1) / 8) - blk0 + 1, (uint32_t)row[C_K0], (uint32_t)row[C_K1], words);
-      sr_run(x[k] + off, reinterpret_cast<const uint16_t*>(words) + (g - 8 * (int64_t)blk0), o[k] + off, hi - lo);
+      const uint32_t k0 = (uint32_t)row[C_K0], k1 = (uint32_t)row[C_K1];
+      const uint32_t* xs = x[row[C_TENSOR]] + row[C_START];
+      uint16_t* os = o[row[C_TENSOR]] + row[C_START];
+      for (int64_t a = lo, b; a < hi; a = b) {  // sub-tiles at param-global multiples of SUB
+        const int64_t g = row[C_INDEX] + a;
+        b = std::min(hi, a + SUB - g % SUB);
+        const int64_t blk0 = g / 8;
+        philox_blocks((uint64_t)blk0, (g + (b - a) - 1) / 8 - blk0 + 1, k0, k1, words);
+        sr_run(xs + a, reinterpret_cast<const uint16_t*>(words) + (g - 8 * blk0), os + a, b - a);
+      }
     }
   });
 }
