@@ -8,7 +8,8 @@ On one flat fp32 master of each size (one "parameter", cast as one segment, as a
 partition) it times, in one run on the same buffers: ``.to(bfloat16)``, ``copy_`` into a bf16
 buffer (the stock round to nearest), the plain-torch reference stochastic rounding / error
 feedback (faircast_dist.rounding), the fused kernels (faircast_dist.fused: SR, EF with an fp32
-and a bf16 residual), and torchao's ``_fp32_to_bf16_sr`` when torchao imports (bench only; it is
+and a bf16 residual; SR of the same elements cut into ``--tensors`` tensors, in one multi-tensor
+call and in one call per tensor), and torchao's ``_fp32_to_bf16_sr`` when torchao imports (bench only; it is
 in no extra). Each row: median ms over ``--repeat`` runs, GB/s of the bytes the cast must move
 (SR/nearest: read 4 + write 2 B per element; EF: + read and write the residual, 4 or 2 B each),
 and the ratio to ``copy_``. On a shared machine timings are noisy: compare ratios within one run.
@@ -76,7 +77,7 @@ def torchao_sr():
     return _fp32_to_bf16_sr
 
 
-def cases(device: torch.device, numel: int):
+def cases(device: torch.device, numel: int, tensors: int):
     """``{name: (fn, bytes moved)}`` on shared buffers."""
     master = torch.randn(numel, device=device)
     out = torch.empty(numel, dtype=torch.bfloat16, device=device)
@@ -93,15 +94,22 @@ def cases(device: torch.device, numel: int):
         "fused EF": (lambda: fused.cast_flat("error_feedback", master, out, table, res32), 14),
         "fused EF bf16 residual": (lambda: fused.cast_flat("error_feedback", master, out, table, res16), 10),
     }
+    if tensors > 1:  # the same elements as many small params (a Megatron Float16 optimizer's masters)
+        masters, outs = list(master.chunk(tensors)), list(out.chunk(tensors))
+        rows = [(k, 0, t.numel(), 0, *key) for k, t in enumerate(masters)]
+        run[f"fused SR, {len(masters)} tensors, 1 call"] = (
+            lambda: fused.cast_tensors("stochastic", masters, outs, rows), 6)
+        run[f"fused SR, {len(masters)} tensors, 1 call each"] = (
+            lambda: [fused.cast_flat("stochastic", m, o, [(0, m.numel(), 0, *key)]) for m, o in zip(masters, outs)], 6)
     ao = torchao_sr()
     if ao is not None:
         run["torchao SR"] = (lambda: ao(master), 6)
     return run
 
 
-def bench(device: torch.device, numel: int, repeat: int) -> list[dict]:
+def bench(device: torch.device, numel: int, repeat: int, tensors: int = 0) -> list[dict]:
     rows = []
-    for name, (fn, nbytes) in cases(device, numel).items():
+    for name, (fn, nbytes) in cases(device, numel, tensors).items():
         fn()  # warm-up (and the CPU kernel's build on first use)
         sync(device)
         samples = []
@@ -128,6 +136,9 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--check-bits", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--check-numel", type=int, default=1 << 22)
+    p.add_argument("--tensors", type=int, default=272,
+                   help="also cast the master as this many tensors, in one multi-tensor call and in one call "
+                        "each (272 = SmolLM2's param count); 0 = skip")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     ok = True
@@ -141,15 +152,15 @@ def main(argv=None):
             torch.set_num_threads(threads)
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
         for numel in map(int, args.sizes):
-            part = bench(device, numel, args.repeat)
+            part = bench(device, numel, args.repeat, args.tensors)
             for r in part:
                 r.update(device=where, threads=torch.get_num_threads(), fused_backend=backend)
             rows += part
             if not args.json:
                 print(f"\n{numel:,} fp32 elements on {where} (fused backend: {backend}), median of {args.repeat}:")
-                print(f"  {'case':<24}{'ms':>10}{'GB/s':>9}{'x copy_':>9}")
+                print(f"  {'case':<38}{'ms':>10}{'GB/s':>9}{'x copy_':>9}")
                 for r in part:
-                    print(f"  {r['case']:<24}{r['ms']:>10.2f}{r['GB/s']:>9.1f}{r['x copy_']:>9.2f}")
+                    print(f"  {r['case']:<38}{r['ms']:>10.2f}{r['GB/s']:>9.1f}{r['x copy_']:>9.2f}")
     if args.json:
         print(json.dumps(rows, indent=1))
     raise SystemExit(0 if ok else 1)
