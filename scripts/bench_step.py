@@ -3,6 +3,7 @@
     python scripts/bench_step.py                                   # SmolLM2-135M, ZeRO-2 and ZeRO-2 + Offload
     python scripts/bench_step.py --model tiny --steps 5            # a quick run on a small random Llama
     torchrun --standalone --nproc_per_node 2 scripts/bench_step.py # 2 DP ranks (each casts half the model)
+    python scripts/bench_step.py --threads 1 --clock cpu           # CPU time: steadier on a shared machine
 
 The main job's trainer (``demo_deepspeed.py``: the same model, data and DeepSpeed config, bf16
 with fp32 master weights, torch AdamW, ``deepspeed_hooks.initialize``) is built once per
@@ -53,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: leave as is)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: the rank's process CPU time (time.process_time), steadier than wall time on a shared "
+                        "machine; meaningful with --threads 1 (it adds up the time of all threads)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     return p.parse_args(argv)
 
@@ -79,7 +83,7 @@ def ds_config(zero: str, arm: str, micro_batch: int, seed: int, monitor_dir: str
     return cfg
 
 
-def time_arm(model, batches, cfg, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+def time_arm(model, batches, cfg, warmup: int, steps: int, clock=time.perf_counter) -> tuple[list[float], list[float]]:
     """(whole-step ms, ``engine.step()`` ms) of each timed step, the slowest rank's."""
     import deepspeed_hooks
     from deepspeed import comm as dist
@@ -88,12 +92,12 @@ def time_arm(model, batches, cfg, warmup: int, steps: int) -> tuple[list[float],
     whole, opt = [], []
     for i, (ids, labels) in enumerate(batches[:warmup + steps]):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = engine(input_ids=ids, labels=labels).loss
         engine.backward(loss)
-        t1 = time.perf_counter()
+        t1 = clock()
         engine.step()
-        t2 = time.perf_counter()
+        t2 = clock()
         ms = torch.tensor([1e3 * (t2 - t0), 1e3 * (t2 - t1)], dtype=torch.float64)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         if i >= warmup:
@@ -111,6 +115,7 @@ def main(argv=None):
         os.environ.setdefault(k, v)  # a plain `python` run is one rank
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed.utils import logger
@@ -129,7 +134,7 @@ def main(argv=None):
             for zero in args.configs:
                 for arm in (args.arms if r % 2 == 0 else args.arms[::-1]):
                     whole, opt = time_arm(model, batches, ds_config(zero, arm, args.micro_batch, args.seed, monitor_dir),
-                                          args.warmup, args.steps)
+                                          args.warmup, args.steps, clock)
                     samples[zero, arm][0].extend(whole)
                     samples[zero, arm][1].extend(opt)
                     if rank == 0 and not args.json:
@@ -141,7 +146,7 @@ def main(argv=None):
             if "nearest" in args.arms else None
         for arm in args.arms:
             whole, opt = samples[zero, arm]
-            row = {"config": zero, "arm": arm, "model": args.model, "params": numel, "ranks": world,
+            row = {"config": zero, "arm": arm, "model": args.model, "params": numel, "ranks": world, "clock": args.clock,
                    "threads": torch.get_num_threads(), "steps": len(whole),
                    "step_ms": statistics.median(whole), "opt_ms": statistics.median(opt)}
             if base:
@@ -153,7 +158,8 @@ def main(argv=None):
             print(json.dumps(rows, indent=1))
         else:
             print(f"\n{args.model} ({numel / 1e6:.1f}M params), {world} rank(s) x {torch.get_num_threads()} threads, "
-                  f"micro-batch {args.micro_batch}, median of {args.rounds} x {args.steps} steps per arm:")
+                  f"micro-batch {args.micro_batch}, median of {args.rounds} x {args.steps} steps per arm"
+                  f"{' (process CPU time)' if args.clock == 'cpu' else ''}:")
             print(f"  {'config':<15}{'arm':<21}{'step ms':>9}{'x nearest':>11}{'engine.step ms':>16}{'x nearest':>11}")
             for row in rows:
                 print(f"  {row['config']:<15}{row['arm']:<21}{row['step_ms']:>9.0f}{row.get('step_x_nearest', 0):>11.3f}"
