@@ -95,12 +95,11 @@ class FlatPartitionExport(OptimizerExport):
         hp, fragments = self.groups()[i]
         dest, flat = dest.view(-1), hp.view(-1)
         self._cast(hp, fragments, out=dest)
-        end = 0
-        for f in sorted(fragments, key=lambda f: f.start) + [None]:
-            start = flat.numel() if f is None else f.start
+        end = 0  # the padding: every gap before, between and after the fragments
+        for start, numel in sorted((f.start, f.numel) for f in fragments) + [(flat.numel(), 0)]:
             if start > end:
                 dest.narrow(0, end, start - end).copy_(flat.narrow(0, end, start - end))
-            end = None if f is None else max(end, f.start + f.numel)
+            end = max(end, start + numel)
 
 
 def _gather_with_fair_cast(original, groups_flat, partitioned_param_groups, *args, **kwargs):

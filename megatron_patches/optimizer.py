@@ -130,7 +130,8 @@ class MegatronExport:
             residual = self.residuals.get(id(shard.model_param))
             residuals.append(None if residual is None else residual.view(-1))
             fragments += [(k, *run) for run in self._shard_runs(shard)]
-        self.caster.cast_tensors(masters, outs, fragments, None if None in residuals else residuals)
+        if masters:  # a DP rank may own no bf16 range
+            self.caster.cast_tensors(masters, outs, fragments, residuals if self.residuals else None)
         self.caster.advance()
 
     def _shard_runs(self, shard: _Shard) -> list:
