@@ -27,10 +27,11 @@ namespace {
 
 constexpr int64_t TILE = 4096;  // elements per tile: the unit of parallel work (a multiple of SUB)
 // Philox runs for SUB elements at a time, then they are rounded: the random words (SUB / 2 bytes)
-// stay in L1 next to the data, and the loads overlap the integer work. Measured on this 2-core
-// EPYC, 1 thread, 50M elements (CPU time, /tmp microbenchmark): SR took 1.75x an fp32->bf16 RTN
-// loop with Philox for a whole 4096-element tile first (8 KiB of words: with the 16 KiB of fp32
-// and 8 KiB of bf16 the tile overflows a 32 KiB L1d), 1.2-1.3x with SUB = 128..512, 1.5x with 64.
+// stay in L1 next to the data, and the loads overlap the integer work. Measured on a 2-core
+// EPYC (AVX-512), 1 thread, 50M and 135M elements, CPU time: SR took 2.0x torch's copy_ into
+// bf16 with Philox for a whole 4096-element tile first (8 KiB of words: with the 16 KiB of fp32
+// and 8 KiB of bf16 the tile overflows a 32 KiB L1d), 1.55-1.6x with SUB = 256 (a standalone
+// microbenchmark: SUB = 128..512 alike, 64 worse; non-temporal stores and prefetching no gain).
 constexpr int64_t SUB = 256;
 static_assert(TILE % SUB == 0 && SUB % 8 == 0, "tiles and sub-tiles must hold whole Philox blocks");
 constexpr uint32_t SIGN = 0x80000000u, MAG = 0x7fffffffu, INF = 0x7f800000u, SAT = 0x7f7f0000u;
