@@ -17,6 +17,7 @@ State, kept in the base optimizer's ``state[group fp32 tensor]`` so DeepSpeed's 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -71,6 +72,7 @@ class OptimizerExport:
         self.in_step = False
         self.exported = False
         self.drift = None  # a DriftMonitor when DeepSpeed's monitor is enabled
+        self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish()
 
     # ---- what an adapter provides
     def groups(self) -> list[tuple[torch.Tensor, list[Fragment]]]:
@@ -80,6 +82,10 @@ class OptimizerExport:
     def dp_group(self, i: int):
         """The process group over which group ``i``'s partitions are spread (None = world)."""
         return None
+
+    def step_context(self):
+        """A context manager entered around the wrapped ``step`` (none by default)."""
+        return contextlib.nullcontext()
 
     # ---- shared machinery
     def state(self, hp: torch.Tensor) -> dict:
@@ -94,7 +100,9 @@ class OptimizerExport:
         self._cast(*self.group(i))
 
     @torch.no_grad()
-    def _cast(self, hp: torch.Tensor, fragments: list[Fragment]) -> None:
+    def _cast(self, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> None:
+        """Cast one group; ``out``: a bf16 1-D buffer laid out like ``hp`` to write instead of the
+        fragments' own targets (ZeRO-1/2: the buffer DeepSpeed's copy was about to fill)."""
         if self.drift is not None and not self.exported:  # the first group of this step's export
             self.drift.timer.start(hp.device)
         flat, state = hp.view(-1), self.state(hp)
@@ -105,7 +113,7 @@ class OptimizerExport:
             if residual is None:
                 residual = state[RESIDUAL_KEY] = self.caster.new_residual(flat)
         residual = None if residual is None else residual.view(-1)
-        out = _flat_out(fragments)
+        out = _flat_out(fragments) if out is None else out
         if out is not None:  # one fused call for the whole group (ZeRO partitions, ZeRO-3 sub-groups)
             self.caster.cast_flat(flat, out, [(f.name, f.start, f.numel, f.index) for f in fragments], residual)
         else:  # bf16 params in separate tensors (stage 0 fused groups): one call per param
@@ -113,12 +121,14 @@ class OptimizerExport:
                 self.caster.cast_flat(flat.narrow(0, f.start, f.numel), f.out, [(f.name, 0, f.numel, f.index)],
                                       None if residual is None else residual.narrow(0, f.start, f.numel))
         self.exported = True
+        self._cast_now.add(id(hp))
 
     def finish(self) -> None:
         """After a step's exports: advance the step and record it in every group's state."""
         if not self.exported:
             return
         self.exported = False
+        self._cast_now.clear()
         self.caster.advance()
         for hp, _ in self.groups():
             self.state(hp)[STEP_KEY] = self.caster.step
@@ -126,9 +136,10 @@ class OptimizerExport:
             self.drift.update(self)
 
     def export(self) -> None:
-        """Export every group, then :meth:`finish`."""
+        """Export every group not cast yet in this step, then :meth:`finish`."""
         for hp, fragments in self.groups():
-            self._cast(hp, fragments)
+            if id(hp) not in self._cast_now:
+                self._cast(hp, fragments)
         self.finish()
 
     @torch.no_grad()
@@ -323,7 +334,8 @@ def wrap_methods(optimizer, export: OptimizerExport, step_exports: bool) -> None
     def fair_step(*args, **kwargs):
         export.in_step = True
         try:
-            result = step(*args, **kwargs)
+            with export.step_context():
+                result = step(*args, **kwargs)
         finally:
             export.in_step = False
         if step_exports and not getattr(optimizer, "overflow", False):

@@ -1,13 +1,22 @@
 """ZeRO stage 1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: flat fp32 partitions.
 
 Where DeepSpeed 0.19 rounds: both wrappers' ``step`` copy each group's fp32 partition into the
-rank's bf16 partition (round to nearest), then call the module-level ``all_gather_dp_groups``
-(also from ``update_lp_params`` after a universal-checkpoint load). We wrap that function in
-``deepspeed.runtime.zero.stage_1_and_2`` and ``deepspeed.runtime.bf16_optimizer``: for an
-optimizer with Fair Cast attached, inside its ``step`` the bf16 partition is overwritten with the
-fair cast of the fp32 partition right before the gather; outside a step (a load), the served bf16
-values saved in the checkpoint are put back instead of the nearest rounding. The ZeRO-Offload
-variant (``offload_optimizer``) goes through the same gather, with the fp32 partition on the CPU.
+rank's bf16 partition (round to nearest) — ``bit16_partitions[rank].data.copy_(fp32_partition.data)``
+inline in ``step`` (ZeRO-Offload: into a host staging buffer, ``param_buffer_of_bit16_for_cpu_offload_groups``,
+then on to the device) and in ``BF16_Optimizer.update_lp_params`` — then call the module-level
+``all_gather_dp_groups`` (also from ``update_lp_params`` after a universal-checkpoint load).
+
+Fair Cast takes the place of that copy, so the step makes one pass over the partition, not two:
+while the wrapped ``step`` runs, :class:`faircast_dist.copy_hook.ReplaceCopies` turns exactly
+that ``copy_`` — destination the group's bf16 partition or staging buffer, source its fp32
+partition, matched by storage address and size — into the group's fused Fair Cast into the same
+destination (padding between fragments gets the stock round-to-nearest copy, so every bit of the
+destination is what the stock copy then the overwrite gave before). Every other torch call passes
+through unchanged. We also wrap ``all_gather_dp_groups`` in ``deepspeed.runtime.zero.stage_1_and_2``
+and ``deepspeed.runtime.bf16_optimizer``: inside a step, any group whose copy was not seen (a
+DeepSpeed version that copies differently) is cast into its bf16 partition right before the
+gather, as the stock copy's overwrite; outside a step (a load), the served bf16 values saved in
+the checkpoint are put back instead of the nearest rounding.
 
 Global element indices come from each bf16 param's ``_hp_mapping`` fragment:
 ``lp_fragment_address.start`` is where the fragment starts in the flattened param (independent of
@@ -20,11 +29,13 @@ from __future__ import annotations
 import functools
 import weakref
 
+import torch
 from deepspeed import comm as dist
 from deepspeed.runtime import bf16_optimizer
 from deepspeed.runtime.zero import stage_1_and_2
 
 from deepspeed_hooks.export import Fragment, OptimizerExport, wrap_methods
+from faircast_dist.copy_hook import ReplaceCopies
 
 _EXPORTS: "weakref.WeakValueDictionary[int, FlatPartitionExport]" = weakref.WeakValueDictionary()
 
@@ -54,12 +65,48 @@ class FlatPartitionExport(OptimizerExport):
             out.append((self.hp_partitions[i], fragments))
         return out
 
+    def step_context(self):
+        return ReplaceCopies(self.replace_copy)
+
+    def replace_copy(self, dest: torch.Tensor, src: torch.Tensor) -> bool:
+        """If ``dest.copy_(src)`` is a group's stock copy, do its Fair Cast instead (True)."""
+        i = self.copy_target(dest, src)
+        if i is not None:
+            self.cast_copy(i, dest)
+        return i is not None
+
+    def copy_target(self, dest: torch.Tensor, src: torch.Tensor) -> int | None:
+        """The group whose stock master->bf16 copy ``dest.copy_(src)`` is, or None."""
+        if dest.dtype != torch.bfloat16 or src.dtype != torch.float32 or not dest.is_contiguous():
+            return None
+        staging = getattr(self.optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", None) or ()
+        for i, hp in enumerate(self.hp_partitions):
+            if src.data_ptr() != hp.data_ptr() or src.numel() != hp.numel() or dest.numel() != hp.numel():
+                continue
+            lp = self.lp_partitions[i][dist.get_rank(group=self.dp_group(i))]
+            if dest.data_ptr() in (lp.data_ptr(), *(b.data_ptr() for b in staging[i:i + 1])):
+                return i
+        return None
+
+    @torch.no_grad()
+    def cast_copy(self, i: int, dest: torch.Tensor) -> None:
+        """Group ``i``'s Fair Cast into ``dest`` (laid out like its fp32 partition) in place of the
+        stock copy: fragments fused-cast, the padding between them copied (round to nearest)."""
+        hp, fragments = self.groups()[i]
+        dest, flat = dest.view(-1), hp.view(-1)
+        self._cast(hp, fragments, out=dest)
+        end = 0  # the padding: every gap before, between and after the fragments
+        for start, numel in sorted((f.start, f.numel) for f in fragments) + [(flat.numel(), 0)]:
+            if start > end:
+                dest.narrow(0, end, start - end).copy_(flat.narrow(0, end, start - end))
+            end = max(end, start + numel)
+
 
 def _gather_with_fair_cast(original, groups_flat, partitioned_param_groups, *args, **kwargs):
     export = _EXPORTS.get(id(partitioned_param_groups))
     if export is not None:
         if export.in_step:
-            export.export()  # finish() runs when step returns
+            export.export()  # the groups whose copy was not turned into their cast; then finish()
         else:
             export.restore_served()
     return original(groups_flat, partitioned_param_groups, *args, **kwargs)

@@ -113,21 +113,47 @@ class FairCaster:
         Raises:
             ValueError / TypeError: a missing residual, bad buffers or fragments (named).
         """
+        return self.cast_tensors([master], [out], [(0, *f) for f in fragments],
+                                 None if residual is None else [residual], backend)[0]
+
+    def cast_tensors(self, masters: list[torch.Tensor], outs: list[torch.Tensor], fragments,
+                     residuals: list[torch.Tensor] | None = None, backend: str = "auto") -> list[torch.Tensor]:
+        """Multi-tensor :meth:`cast_flat`: the param fragments of many flat buffers in one fused call
+        (:func:`faircast_dist.fused.cast_tensors`; e.g. every master shard of a Megatron optimizer).
+
+        Args:
+            masters: float32 1-D contiguous buffers.
+            outs: bfloat16 1-D contiguous buffers, ``outs[i]`` indexed like ``masters[i]``; only the
+                fragments are written (another device than the master: as in :meth:`cast_flat`).
+            fragments: ``(tensor, name, start, numel, index)`` per fragment: position in the lists,
+                then as in :meth:`cast_flat`.
+            residuals: error feedback only (required then): one buffer per master, updated in place.
+            backend: see :func:`faircast_dist.fused.resolve_backend`.
+
+        Returns:
+            ``outs``.
+
+        Raises:
+            ValueError / TypeError: a missing residual, bad buffers or fragments (named).
+        """
         rows = list(fragments)
         method = self.method
         if method == "nearest":
-            for _, start, numel, _ in rows:
-                cast_nearest(master.narrow(0, start, numel), out.narrow(0, start, numel))
-            return out
-        if method == "error_feedback" and residual is None:
+            for k, _, start, numel, _ in rows:
+                cast_nearest(masters[k].narrow(0, start, numel), outs[k].narrow(0, start, numel))
+            return outs
+        if method == "error_feedback" and residuals is None:
             raise ValueError("FairCaster.cast_flat: error feedback needs the buffer's residual")
         keyed = method != "error_feedback"  # every keyed method is stochastic rounding in the kernel
-        keys = {name: self.key(name) if keyed else (0, 0) for name, _, _, _ in rows}
-        table = [(start, numel, index, *keys[name]) for name, start, numel, index in rows]
-        kernel = "stochastic" if keyed else "error_feedback"
-        if out.device == master.device:
-            return fused.cast_flat(kernel, master, out, table, residual, backend)
-        return _cast_across(kernel, master, out, table, residual, backend)
+        keys = {name: self.key(name) if keyed else (0, 0) for _, name, _, _, _ in rows}
+        table = [(k, start, numel, index, *keys[name]) for k, name, start, numel, index in rows]
+        targets = [o if o.device == m.device else torch.empty(m.shape, dtype=torch.bfloat16, device=m.device)
+                   for m, o in zip(masters, outs)]
+        fused.cast_tensors("stochastic" if keyed else "error_feedback", masters, targets, table, residuals, backend)
+        for k, _, start, numel, _ in rows:
+            if targets[k] is not outs[k]:
+                outs[k].narrow(0, start, numel).copy_(targets[k].narrow(0, start, numel))
+        return outs
 
     def advance(self) -> None:
         """Mark one whole-model export as done (stochastic rounding's next cast draws fresh bits)."""
@@ -154,25 +180,3 @@ class FairCaster:
         same = saved.effective_method == self.method == "error_feedback"
         dtype = RESIDUAL_DTYPES[self.config.residual_dtype]
         self.residuals = {k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()} if same else {}
-
-
-def _cast_across(kernel, master, out, table, residual, backend) -> torch.Tensor:
-    """Cast on ``master``'s device into a staging buffer, then copy the segments to ``out``'s.
-
-    ZeRO-Offload: the fp32 partition is on the host, the bf16 partition on the GPU. The staging
-    buffer is pinned there, so the copy does not block the host; segments that tile one span
-    (a flat partition) go in one copy instead of one per fragment.
-    """
-    pin = master.device.type == "cpu" and out.device.type == "cuda"
-    target = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device, pin_memory=pin)
-    fused.cast_flat(kernel, master, target, table, residual, backend)
-    spans = sorted((start, numel) for start, numel, *_ in table if numel)
-    merged = []
-    for start, numel in spans:
-        if merged and merged[-1][0] + merged[-1][1] == start:
-            merged[-1][1] += numel
-        else:
-            merged.append([start, numel])
-    for start, numel in merged:
-        out.narrow(0, start, numel).copy_(target.narrow(0, start, numel), non_blocking=pin)
-    return out

@@ -11,11 +11,13 @@ then ``_copy_main_params_to_model_params`` writes each fp32 master into the bf16
 * ``Float16OptimizerWithFloat16Params``: every rank writes its whole TP-local params.
 
 :func:`install` wraps those methods on the optimizer instance: every bf16 target the stock copy
-writes gets the Fair Cast of the same master slice (one fused call per master shard, see
-:mod:`faircast_dist.fused`), keyed by the param's canonical name and global element indices
-(:mod:`megatron_patches.layout`). The Float16 optimizer's stock copy is replaced; the
-DistributedOptimizer's runs first (it also copies fp32 params and quantizes FP8 ones in the same
-loop) and its bf16 ranges are then overwritten. So each
+writes gets the Fair Cast of the same master slice (one fused multi-tensor call for all master
+shards, see :func:`faircast_dist.fused.cast_tensors`), keyed by the param's canonical name and
+global element indices (:mod:`megatron_patches.layout`). The Float16 optimizer's stock copy is
+replaced. The DistributedOptimizer's runs (it also copies fp32 params and quantizes FP8 ones in
+the same loop) with its bf16 copies skipped (:class:`faircast_dist.copy_hook.ReplaceCopies`,
+matched by address and size; a copy it does not recognise runs and is overwritten), then the
+bf16 ranges are cast: one pass over each master, not two. So each
 rank casts exactly the master elements it owns, and every element's bits are independent of the
 layout; TP/DP replicas cast identical masters and get identical bits without communication.
 
@@ -40,6 +42,7 @@ from dataclasses import replace
 import torch
 
 from faircast_dist import ExportCastConfig, FairCaster
+from faircast_dist.copy_hook import ReplaceCopies
 from faircast_dist.telemetry import DriftSample, ExportTimer, sample_stride
 from megatron_patches import compat
 from megatron_patches.layout import ParamLayout, describe_model, model_entries
@@ -118,24 +121,28 @@ class MegatronExport:
     def export(self) -> None:
         """Write the Fair Cast of this rank's masters into its bf16 targets; advance the step.
 
-        One fused call per master shard: its segments are the runs of consecutive global
-        indices (one for a contiguous range, one per row of a TP block split on a later dim).
+        One fused multi-tensor call for all master shards (like ``multi_tensor_applier`` for the
+        stock copy): each shard's segments are the runs of consecutive global indices (one for a
+        contiguous range, one per row of a TP block split on a later dim).
         """
-        shards, pieces = self.shards(), []
+        masters, outs, residuals, fragments, pieces = [], [], [], [], []
+        shards = self.shards()
         if self.drift is not None and shards:
             self.timer.start(shards[0].main.device)
-        for shard in shards:
-            master, out = shard.main.detach().view(-1), self._target(shard)
-            if out.dtype != torch.bfloat16:
-                raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {out.dtype}, not bfloat16")
-            key = (id(shard.model_param), shard.start, shard.end)
-            runs = self._runs.get(key)
-            if runs is None:
-                runs = self._runs[key] = [(shard.layout.name, *r) for r in shard.layout.runs(shard.start, shard.end)]
+        for k, shard in enumerate(shards):
+            masters.append(shard.main.detach().view(-1))
+            outs.append(self._target(shard))
+            if outs[-1].dtype != torch.bfloat16:
+                raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {outs[-1].dtype}, not bfloat16")
             residual = self.residuals.get(id(shard.model_param))
-            self.caster.cast_flat(master, out, runs, None if residual is None else residual.view(-1))
+            residuals.append(None if residual is None else residual.view(-1))
+            runs = self._shard_runs(shard)
+            fragments += [(k, *run) for run in runs]
+            key = (id(shard.model_param), shard.start, shard.end)
             if self.drift is not None and self._counted.setdefault(key, self.counts(shard)):
-                pieces.append((key, master, out, runs))
+                pieces.append((key, masters[-1], outs[-1], runs))
+        if masters:  # a DP rank may own no bf16 range
+            self.caster.cast_tensors(masters, outs, fragments, residuals if self.residuals else None)
         self.caster.advance()
         if self.drift is not None:
             self.timer.stop()
@@ -158,6 +165,20 @@ class MegatronExport:
             for p in chunk.parameters():
                 return p.device
         return torch.device("cpu")
+
+    def _shard_runs(self, shard: _Shard) -> list:
+        """``(name, start in the shard, numel, global index)`` per run of the shard (cached)."""
+        key = (id(shard.model_param), shard.start, shard.end)
+        if key not in self._runs:
+            self._runs[key] = [(shard.layout.name, *r) for r in shard.layout.runs(shard.start, shard.end)]
+        return self._runs[key]
+
+    def skip_stock_copies(self) -> ReplaceCopies:
+        """A mode that skips the DistributedOptimizer's stock copies of the bf16 shards (each
+        matched by target address, master address and size), which :meth:`export` then writes."""
+        stock = {(self._target(s).data_ptr(), s.main.data_ptr(), s.main.numel()) for s in self.shards()}
+        return ReplaceCopies(lambda dest, src: dest.dtype == torch.bfloat16 and dest.numel() == src.numel()
+                             and (dest.data_ptr(), src.data_ptr(), src.numel()) in stock)
 
     def reset_residuals(self) -> None:
         """Zero the residuals (after the masters were reloaded from the model)."""
@@ -365,8 +386,16 @@ def _wrap(leaf, export: MegatronExport) -> None:
 
     if export.distributed:
         # the stock copy also writes the fp32 params' shards (and quantizes FP8 ones) in the same
-        # loop: it runs, then Fair Cast overwrites the bf16 ranges (one extra copy per step)
-        after("_copy_main_params_to_model_params", export.export)
+        # loop: it runs, without its bf16 copies (ReplaceCopies), then Fair Cast writes those
+        copy = leaf._copy_main_params_to_model_params
+
+        @functools.wraps(copy)
+        def copy_then_cast(*args, **kwargs):
+            with export.skip_stock_copies():
+                result = copy(*args, **kwargs)
+            export.export()
+            return result
+        leaf._copy_main_params_to_model_params = copy_then_cast
     else:
         # the stock copy writes exactly the bf16 params Fair Cast writes: replaced, not repeated
         leaf._copy_main_params_to_model_params = export.export

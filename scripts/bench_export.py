@@ -3,12 +3,14 @@
     python scripts/bench_export.py                                   # CPU: 1e6, 1e7, 5e7 elements, 1 and 2 threads
     python scripts/bench_export.py --sizes 1e6 135e6 --json          # machine-readable rows
     python scripts/bench_export.py --device cuda --sizes 1.7e9 --threads 0
+    python scripts/bench_export.py --threads 1 --clock cpu            # CPU time: steadier on a shared machine
 
 On one flat fp32 master of each size (one "parameter", cast as one segment, as a rank casts its
 partition) it times, in one run on the same buffers: ``.to(bfloat16)``, ``copy_`` into a bf16
 buffer (the stock round to nearest), the plain-torch reference stochastic rounding / error
 feedback (faircast_dist.rounding), the fused kernels (faircast_dist.fused: SR, EF with an fp32
-and a bf16 residual), and torchao's ``_fp32_to_bf16_sr`` when torchao imports (bench only; it is
+and a bf16 residual; SR of the same elements cut into ``--tensors`` tensors, in one multi-tensor
+call and in one call per tensor), and torchao's ``_fp32_to_bf16_sr`` when torchao imports (bench only; it is
 in no extra). Each row: median ms over ``--repeat`` runs, GB/s of the bytes the cast must move
 (SR/nearest: read 4 + write 2 B per element; EF: + read and write the residual, 4 or 2 B each),
 and the ratio to ``copy_``. On a shared machine timings are noisy: compare ratios within one run.
@@ -76,7 +78,7 @@ def torchao_sr():
     return _fp32_to_bf16_sr
 
 
-def cases(device: torch.device, numel: int):
+def cases(device: torch.device, numel: int, tensors: int):
     """``{name: (fn, bytes moved)}`` on shared buffers."""
     master = torch.randn(numel, device=device)
     out = torch.empty(numel, dtype=torch.bfloat16, device=device)
@@ -93,23 +95,30 @@ def cases(device: torch.device, numel: int):
         "fused EF": (lambda: fused.cast_flat("error_feedback", master, out, table, res32), 14),
         "fused EF bf16 residual": (lambda: fused.cast_flat("error_feedback", master, out, table, res16), 10),
     }
+    if tensors > 1:  # the same elements as many small params (a Megatron Float16 optimizer's masters)
+        masters, outs = list(master.chunk(tensors)), list(out.chunk(tensors))
+        rows = [(k, 0, t.numel(), 0, *key) for k, t in enumerate(masters)]
+        run[f"fused SR, {len(masters)} tensors, 1 call"] = (
+            lambda: fused.cast_tensors("stochastic", masters, outs, rows), 6)
+        run[f"fused SR, {len(masters)} tensors, 1 call each"] = (
+            lambda: [fused.cast_flat("stochastic", m, o, [(0, m.numel(), 0, *key)]) for m, o in zip(masters, outs)], 6)
     ao = torchao_sr()
     if ao is not None:
         run["torchao SR"] = (lambda: ao(master), 6)
     return run
 
 
-def bench(device: torch.device, numel: int, repeat: int) -> list[dict]:
+def bench(device: torch.device, numel: int, repeat: int, tensors: int = 0, clock=time.perf_counter) -> list[dict]:
     rows = []
-    for name, (fn, nbytes) in cases(device, numel).items():
+    for name, (fn, nbytes) in cases(device, numel, tensors).items():
         fn()  # warm-up (and the CPU kernel's build on first use)
         sync(device)
         samples = []
         for _ in range(repeat):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             sync(device)
-            samples.append(1e3 * (time.perf_counter() - t0))
+            samples.append(1e3 * (clock() - t0))
         ms = statistics.median(samples)
         rows.append({"case": name, "numel": numel, "ms": ms, "GB/s": nbytes * numel / ms / 1e6})
     copy_ms = next(r["ms"] for r in rows if r["case"] == "copy_")
@@ -128,8 +137,17 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--check-bits", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--check-numel", type=int, default=1 << 22)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: this thread's CPU time (time.thread_time), steadier than wall time on a shared "
+                        "machine; CPU device with --threads 1 only (the work must run on the calling thread)")
+    p.add_argument("--tensors", type=int, default=272,
+                   help="also cast the master as this many tensors, in one multi-tensor call and in one call "
+                        "each (272 = SmolLM2's param count); 0 = skip")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.clock == "cpu" and (device.type != "cpu" or args.threads != [1]):
+        p.error(f"--clock cpu needs --device cpu --threads 1 (got {args.device}, {args.threads})")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     ok = True
     if args.check_bits or (args.check_bits is None and device.type != "cpu"):
         print(f"bitwise check, {args.check_numel} elements:")
@@ -141,15 +159,16 @@ def main(argv=None):
             torch.set_num_threads(threads)
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
         for numel in map(int, args.sizes):
-            part = bench(device, numel, args.repeat)
+            part = bench(device, numel, args.repeat, args.tensors, clock)
             for r in part:
-                r.update(device=where, threads=torch.get_num_threads(), fused_backend=backend)
+                r.update(device=where, threads=torch.get_num_threads(), fused_backend=backend, clock=args.clock)
             rows += part
             if not args.json:
-                print(f"\n{numel:,} fp32 elements on {where} (fused backend: {backend}), median of {args.repeat}:")
-                print(f"  {'case':<24}{'ms':>10}{'GB/s':>9}{'x copy_':>9}")
+                print(f"\n{numel:,} fp32 elements on {where} (fused backend: {backend}), median of {args.repeat}"
+                      f"{' (thread CPU time)' if args.clock == 'cpu' else ''}:")
+                print(f"  {'case':<38}{'ms':>10}{'GB/s':>9}{'x copy_':>9}")
                 for r in part:
-                    print(f"  {r['case']:<24}{r['ms']:>10.2f}{r['GB/s']:>9.1f}{r['x copy_']:>9.2f}")
+                    print(f"  {r['case']:<38}{r['ms']:>10.2f}{r['GB/s']:>9.1f}{r['x copy_']:>9.2f}")
     if args.json:
         print(json.dumps(rows, indent=1))
     raise SystemExit(0 if ok else 1)

@@ -76,6 +76,23 @@ def preset_state(names_numel: dict[str, int]):
     return master, residual
 
 
+class CopyProbe(torch.overrides.TorchFunctionMode):
+    """Counts ``copy_`` calls that reach torch with a whole ZeRO-1/2 / BF16_Optimizer fp32
+    partition as the source and a bf16 destination (DeepSpeed's stock round-to-nearest copy)."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        parts = [t for a in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+                 for t in getattr(optimizer, a, None) or ()]
+        self.parts, self.count = {(t.data_ptr(), t.numel()) for t in parts}, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is torch.Tensor.copy_ and args[0].dtype == torch.bfloat16 and args[1].dtype == torch.float32
+                and (args[1].data_ptr(), args[1].numel()) in self.parts):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _worker(rank, world_size, port, opts, out_path):
     cuda = opts["device"] == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -117,7 +134,7 @@ def _worker(rank, world_size, port, opts, out_path):
     if opts["load_dir"]:
         engine.load_checkpoint(opts["load_dir"], tag=opts["load_tag"])
         first = engine.global_steps
-    record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0,
+    record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0, "master_copies": 0,
               "optimizer": type(engine.optimizer).__name__}
     device = engine.device
 
@@ -165,7 +182,9 @@ def _worker(rank, world_size, port, opts, out_path):
         x, y = (t.to(device) for t in batch(step))
         loss = torch.nn.functional.mse_loss(engine(x.to(next(engine.parameters()).dtype)).float(), y)
         engine.backward(loss)
-        engine.step()
+        with CopyProbe(engine.optimizer) as probe:
+            engine.step()
+        record["master_copies"] += probe.count
         bf16, master, residual = snapshot()
         if export is not None:
             # None missed: every served element is the reference (single-process, whole-param)

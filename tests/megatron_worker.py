@@ -92,6 +92,23 @@ def leaves(optimizer):
     return sub_optimizers(optimizer)
 
 
+class CopyProbe(torch.overrides.TorchFunctionMode):
+    """Counts ``copy_`` calls that reach torch with a bf16 destination and one of the optimizer's
+    fp32 masters of bf16 params as the source (Megatron's stock round-to-nearest copy)."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self.masters, self.count = set(), 0
+        for leaf in leaves(optimizer):
+            groups = getattr(leaf, "shard_fp32_from_float16_groups", None) or getattr(leaf, "fp32_from_float16_groups", [])
+            self.masters |= {m.data_ptr() for group in groups for m in group}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and args[0].dtype == torch.bfloat16 and args[1].data_ptr() in self.masters:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def exports(optimizer):
     return [leaf.export_cast for leaf in leaves(optimizer) if hasattr(leaf, "export_cast")]
 
@@ -265,7 +282,7 @@ def _run_job(tp, pp, job: dict) -> dict:
     from faircast_dist import ExportCastConfig
     config = ExportCastConfig.from_value(job.get("export_cast"))
     ef = config.effective_method == "error_feedback"
-    record = {"snaps": [], "mismatch": 0, "rtn_differs": 0}
+    record = {"snaps": [], "mismatch": 0, "rtn_differs": 0, "master_copies": 0}
     if "megatron_lm" in job:
         lm = megatron_lm_standin(job["megatron_lm"])
     try:
@@ -285,7 +302,9 @@ def _run_job(tp, pp, job: dict) -> dict:
         prev = snapshot(model, optimizer, ef)
         for _ in range(job.get("exports", 1)):
             step = exports(optimizer)[0].caster.step
-            export_only(model, optimizer)
+            with CopyProbe(optimizer) as probe:
+                export_only(model, optimizer)
+            record["master_copies"] += probe.count
             snap = snapshot(model, optimizer, ef)
             mm, dif = reference_mismatch(config, step, snap, prev["residual"])
             record["mismatch"] += mm
@@ -298,7 +317,9 @@ def _run_job(tp, pp, job: dict) -> dict:
     record["drift_on"] = [e.drift is not None for e in exports(optimizer)]
     for k in range(job.get("steps", 0)):
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
-        train_step(model, optimizer, first + k)
+        with CopyProbe(optimizer) as probe:
+            train_step(model, optimizer, first + k)
+        record["master_copies"] += probe.count
         if "megatron_lm" in job:  # as Megatron-LM's train() does after every iteration
             lm.training.training_log({}, {}, 1e-3, None, first + k + 1, 1.0, False, 0, 1.0, None, None)
         elif job.get("telemetry"):

@@ -54,6 +54,8 @@ def test_every_master_copy_is_fair(path, method):
     # gathered master (and, for error feedback, the gathered residual of the step before)
     assert rank0["mismatch"] == 0 and rank1["mismatch"] == 0, rank0["optimizer"]
     assert rank0["rtn_differs"] > 100  # ... which is not what round-to-nearest gives: the check bites
+    if path in ("zero1", "zero2", "bf16_optimizer", "offload2"):  # the cast took the stock copy's place
+        assert rank0["master_copies"] == 0 and rank1["master_copies"] == 0
     for a, b in zip(rank0["bf16"], rank1["bf16"]):  # every rank sees the same model (replicas agree)
         assert_same(a, b)
     assert_same(rank0["served_api"], rank0["bf16"][-1])  # the export API yields the served model
@@ -126,6 +128,7 @@ def test_resume_equals_uninterrupted(path, method, tmp_path):
 def test_off_is_stock_deepspeed():
     stock = run(2, export_cast=None, hook=None)[0]
     assert_deltas_rebuild(stock)  # delta export of a stock (round-to-nearest) engine
+    assert stock["master_copies"] == 4  # one stock copy per step (one param group): the probe sees it
     for variant in (run(2, export_cast={"mode": "nearest", "method": "error_feedback"})[0],
                     run(2, export_cast=None)[0]):
         assert variant["method"] is None

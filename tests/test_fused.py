@@ -173,6 +173,47 @@ def test_untouched_outside_segments_and_empty_table(backend):
     assert (out[:10] == 7).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method,residual_dtype", [("stochastic", None), ("error_feedback", torch.float32),
+                                                   ("error_feedback", torch.bfloat16)])
+def test_cast_tensors_equals_cast_flat_per_tensor(backend, method, residual_dtype):
+    """Many small tensors (sizes 0..~300, rows in random order, some tensors without rows) in one
+    call == cast_flat on each tensor: outputs and residuals, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    sizes = torch.randint(0, 300 if backend == "cpu" else 60, (40 if backend == "cpu" else 8,), generator=g).tolist()
+    masters = [inputs(n, k)[:n] for k, n in enumerate(sizes)]
+    residuals = None if residual_dtype is None else [
+        ((torch.rand(n, generator=g) - 0.5) * 1e-3).to(residual_dtype) for n in sizes]
+    per_tensor = [random_segments(n, g, high_index=k % 3 == 0) if n > 1 else [] for k, n in enumerate(sizes)]
+    rows = [(k, *r) for k, rs in enumerate(per_tensor) for r in rs]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+    outs = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+    res = None if residuals is None else [r.clone() for r in residuals]
+    fused.cast_tensors(method, masters, outs, rows, res, backend=backend)
+    for k, n in enumerate(sizes):
+        want, want_res = reference(method, masters[k], per_tensor[k], None if residuals is None else residuals[k])
+        assert_same_bits(outs[k], want)
+        if res is not None:
+            assert torch.equal(bits(res[k]), bits(want_res))
+
+
+def test_cast_tensors_bad_rows_are_named():
+    masters, outs = [torch.zeros(4), torch.zeros(6)], [torch.zeros(4, dtype=torch.bfloat16), torch.zeros(6, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match=r"0 <= tensor < 2"):
+        fused.cast_tensors("stochastic", masters, outs, [(2, 0, 1, 0, 0, 0)])
+    with pytest.raises(ValueError, match=r"start \+ numel <= 4"):
+        fused.cast_tensors("stochastic", masters, outs, [(0, 0, 5, 0, 0, 0)])
+    with pytest.raises(ValueError, match="overlap"):
+        fused.cast_tensors("stochastic", masters, outs, [(1, 0, 3, 0, 0, 0), (0, 1, 2, 0, 0, 0), (1, 2, 2, 0, 0, 0)])
+    fused.cast_tensors("stochastic", masters, outs, [(1, 0, 3, 0, 0, 0), (0, 1, 2, 0, 0, 0), (1, 3, 2, 0, 0, 0)])
+    with pytest.raises(TypeError, match=r"outs\[1\] must be a contiguous 1-D"):
+        fused.cast_tensors("stochastic", masters, [outs[0], masters[1]], [])
+    with pytest.raises(ValueError, match="outs has 1 tensors"):
+        fused.cast_tensors("stochastic", masters, outs[:1], [])
+    with pytest.raises(TypeError, match="residuals must share one dtype"):
+        fused.cast_tensors("error_feedback", masters, outs, [], [torch.zeros(4), torch.zeros(6, dtype=torch.bfloat16)])
+
+
 def test_cpu_kernel_thread_count_does_not_change_bits():
     x = inputs(1 << 18, 3)
     rows = random_segments(x.numel(), torch.Generator().manual_seed(3))

@@ -171,6 +171,17 @@ def test_nearest_and_unset_are_stock_megatron_bit_for_bit():
                for k in stock["snaps"][-1]["served"])
 
 
+@pytest.mark.parametrize("layout", [params(l) for l in LAYOUTS])
+def test_no_stock_master_copy_runs_under_fair_cast(layout):
+    """The stock round-to-nearest copies of bf16 masters are replaced (Float16 optimizer) or
+    skipped (DistributedOptimizer): none reaches torch; with the stock optimizer the probe sees them."""
+    jobs = layout_run(layout)
+    for m in METHODS:
+        assert jobs[f"{m}_fixed"]["master_copies"] == 0 and jobs[f"{m}_train"]["master_copies"] == 0, m
+    if layout == LAYOUTS[0]:
+        assert jobs["stock"]["master_copies"] > 0 and jobs["nearest"]["master_copies"] > 0
+
+
 def test_fair_with_fp16_is_refused():
     error = layout_run(LAYOUTS[0])["fp16_fair"].get("error", "")
     assert error.startswith("ValueError") and "--bf16" in error and "fp16" in error, error
