@@ -54,7 +54,9 @@ def segment_table(rows: Sequence[Sequence[int]] | torch.Tensor, columns: int = 5
     Raises:
         ValueError: wrong shape.
     """
-    table = rows if isinstance(rows, torch.Tensor) else torch.tensor(list(rows), dtype=torch.int64, device="cpu").view(-1, columns)
+    table = rows if isinstance(rows, torch.Tensor) else torch.tensor(list(rows), dtype=torch.int64, device="cpu")
+    if table.numel() == 0:
+        table = table.reshape(0, columns)
     table = table.to(device="cpu", dtype=torch.int64).contiguous()
     if table.dim() != 2 or table.shape[1] != columns:
         head = "(start, numel, index, k0, k1)" if columns == 5 else "(tensor, start, numel, index, k0, k1)"

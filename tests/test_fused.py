@@ -257,6 +257,19 @@ def test_bad_arguments_are_named():
         fused.segment_table(torch.zeros(3, 4, dtype=torch.int64))
 
 
+def test_rows_of_the_other_width_are_refused():
+    """Six 5-column rows are 30 numbers, five 6-column rows too: neither is re-read in the other width."""
+    masters = [torch.zeros(10), torch.zeros(10)]
+    outs = [torch.zeros(10, dtype=torch.bfloat16) for _ in masters]
+    with pytest.raises(ValueError, match=r"must be \[S, 6\]"):
+        fused.cast_tensors("stochastic", masters, outs, [(0, 0, 0, 0, 0)] * 6)
+    with pytest.raises(ValueError, match=r"must be \[S, 5\]"):
+        fused.cast_flat("stochastic", masters[0], outs[0], [(0, 0, 0, 0, 0, 0)] * 5)
+    with pytest.raises(ValueError, match=r"must be \[S, 5\]"):
+        fused.segment_table([0, 10, 0, 1, 2])  # one row, not nested
+    assert fused.segment_table([]).shape == (0, 5) and fused.segment_table([], columns=6).shape == (0, 6)
+
+
 @pytest.mark.skipif(not _triton_ok(), reason="triton is not installed")
 def test_triton_philox_known_answers():
     """Random123 kat_vectors through the kernel's own Philox (uint32 words, tl.umulhi)."""
