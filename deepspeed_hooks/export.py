@@ -332,6 +332,8 @@ def wrap_methods(optimizer, export: OptimizerExport, step_exports: bool) -> None
 
     @functools.wraps(step)
     def fair_step(*args, **kwargs):
+        if export.drift is not None and export.drift.drift.previous is None:  # first step (of the run or since a resume)
+            export.drift.prime(export)  # the served model this step replaces
         export.in_step = True
         try:
             with export.step_context():

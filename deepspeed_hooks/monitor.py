@@ -43,8 +43,20 @@ class DriftMonitor:
         self.timer = ExportTimer()
         self.events: dict[str, float] = {}
 
+    def prime(self, export) -> None:
+        """Before the first export's cast: record the served model it replaces (as initialised or
+        loaded), so that the first ``changed_fraction`` is the change from it."""
+        self.drift.prime(self._pieces(export), device=get_accelerator().current_device_name())
+
     def update(self, export) -> None:
         """Measure the export just finished (collective: every rank calls it)."""
+        pieces = self._pieces(export)
+        self.timer.stop()
+        self.drift.observe(pieces, device=get_accelerator().current_device_name())
+        self.events = reduce_drift([self.drift], self.timer.ms())
+
+    def _pieces(self, export) -> list:
+        """:meth:`DriftSample.observe`'s pieces: the groups this rank counts, with their served bf16."""
         from deepspeed_hooks.export import _flat_out
         pieces = []
         if not export.replicated or dist.get_rank() == 0:
@@ -55,9 +67,7 @@ class DriftMonitor:
                 else:
                     pieces += [((i, j), flat.narrow(0, f.start, f.numel), f.out.view(-1), [(f.name, 0, f.numel, f.index)])
                                for j, f in enumerate(fragments)]
-        self.timer.stop()
-        self.drift.observe(pieces, device=get_accelerator().current_device_name())
-        self.events = reduce_drift([self.drift], self.timer.ms())
+        return pieces
 
     def write(self, monitor, samples: int) -> None:
         """Send the values of an export not yet reported to DeepSpeed's ``MonitorMaster``."""

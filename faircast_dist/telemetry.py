@@ -208,17 +208,8 @@ class DriftSample:
         self.last: torch.Tensor | None = None
         self.steps = 0
 
-    @torch.no_grad()
-    def observe(self, pieces: Iterable[tuple], device=None) -> None:
-        """Measure one export.
-
-        Args:
-            pieces: ``(key, master, served, rows)``: a hashable key naming the buffer (the
-                same key must mean the same buffer at every export), its float32 1-D master
-                buffer, the bfloat16 1-D buffer served from it (same length and device) and its
-                fragments ``(name, start, numel, index)`` (positions are computed once per key).
-            device: where :attr:`last` lives when there are no pieces (default: CPU).
-        """
+    def _select(self, pieces: Iterable[tuple], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled masters (float32) and served values (bfloat16) of ``pieces``, on the served device."""
         masters, served = [], []
         for key, master, out, rows in pieces:
             device = out.device  # the served side (ZeRO-Offload: masters on the host)
@@ -230,6 +221,31 @@ class DriftSample:
             served.append(out.index_select(0, pos[1]))
         m = torch.cat(masters) if masters else torch.zeros(0, dtype=torch.float32, device=device)
         s = torch.cat(served) if served else torch.zeros(0, dtype=torch.bfloat16, device=device)
+        return m, s
+
+    @torch.no_grad()
+    def prime(self, pieces: Iterable[tuple], device=None) -> None:
+        """Record the served bits before the first export (the model as initialised or loaded
+        from a checkpoint), so that the first ``changed_fraction`` counts the change from them:
+        a resumed run then reports what the uninterrupted run does (``lag_steps`` still needs
+        ``max_lag`` exports of history). Call it before the first export's cast, with the pieces
+        :meth:`observe` will get (their served buffers not yet written). Without it the first
+        export reports 0 changed.
+        """
+        self.previous = self._select(pieces, device)[1].view(torch.int16).clone()
+
+    @torch.no_grad()
+    def observe(self, pieces: Iterable[tuple], device=None) -> None:
+        """Measure one export.
+
+        Args:
+            pieces: ``(key, master, served, rows)``: a hashable key naming the buffer (the
+                same key must mean the same buffer at every export), its float32 1-D master
+                buffer, the bfloat16 1-D buffer served from it (same length and device) and its
+                fragments ``(name, start, numel, index)`` (positions are computed once per key).
+            device: where :attr:`last` lives when there are no pieces (default: CPU).
+        """
+        m, s = self._select(pieces, device)
         bits = s.view(torch.int16)
         last = torch.zeros(5 + self.max_lag, dtype=torch.float64, device=m.device)
         if self.previous is not None and self.previous.shape == bits.shape:

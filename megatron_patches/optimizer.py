@@ -141,6 +141,8 @@ class MegatronExport:
             key = (id(shard.model_param), shard.start, shard.end)
             if self.drift is not None and self._counted.setdefault(key, self.counts(shard)):
                 pieces.append((key, masters[-1], outs[-1], runs))
+        if self.drift is not None and self.drift.previous is None:  # the first export (of this run or since a resume)
+            self.drift.prime(pieces, device=self.device())
         if masters:  # a DP rank may own no bf16 range
             self.caster.cast_tensors(masters, outs, fragments, residuals if self.residuals else None)
         self.caster.advance()

@@ -311,7 +311,7 @@ def _run_job(tp, pp, job: dict) -> dict:
             record["rtn_differs"] += dif
             record["snaps"].append(snap)
             prev = snap
-    prev = record.get("loaded") or snapshot(model, optimizer, ef)
+    prev = record["start"] = record.get("loaded") or snapshot(model, optimizer, ef)
     first = job.get("first", 0)
     record["drift"] = []
     record["drift_on"] = [e.drift is not None for e in exports(optimizer)]

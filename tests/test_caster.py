@@ -205,6 +205,37 @@ def test_drift_sample_measures_changed_fraction_gap_and_lag():
     assert got["lag_steps"] == 0 and got["gap_ulps"] == pytest.approx(gap_ulps(nan.to(torch.bfloat16), nan), rel=1e-6)
 
 
+def test_drift_sample_primed_resume_reports_what_the_uninterrupted_run_does():
+    """A run resumed at export 4 (a fresh DriftSample primed with the served model it loaded)
+    reports the same changed_fraction and gap_ulps as the uninterrupted run; primed at the start,
+    the first export counts the change from the initial model, not 0."""
+    from faircast_dist.telemetry import DriftSample, reduce_drift
+    g = torch.Generator().manual_seed(2)
+    masters = [torch.randn(2000, generator=g)]
+    for _ in range(7):
+        masters.append(masters[-1] + 0.02 * torch.randn(2000, generator=g))
+    initial = (masters[0] + 0.05).to(torch.bfloat16)
+    served = [m.to(torch.bfloat16) for m in masters]
+    rows = [("w", 0, 2000, 0)]
+    straight, resumed = DriftSample(stride=7, max_lag=3), DriftSample(stride=7, max_lag=3)
+    straight.prime([("buf", masters[0], initial, rows)])
+    for t, m in enumerate(masters):
+        straight.observe([("buf", m, served[t], rows)])
+        want = reduce_drift([straight])
+        if t == 0:
+            every = DriftSample(stride=1)
+            every.prime([("buf", m, initial, rows)])
+            every.observe([("buf", m, served[0], rows)])
+            assert reduce_drift([every])["changed_fraction"] == pytest.approx(changed_fraction(initial, served[0]))
+            assert want["changed_fraction"] > 0
+        if t == 4:
+            resumed.prime([("buf", m, served[3], rows)])  # the served model the checkpoint holds
+        if t >= 4:
+            resumed.observe([("buf", m, served[t], rows)])
+            got = reduce_drift([resumed])
+            assert got["changed_fraction"] == want["changed_fraction"] and got["gap_ulps"] == want["gap_ulps"]
+
+
 def test_reduce_drift_refuses_samples_that_have_not_observed():
     from faircast_dist.telemetry import DriftSample, reduce_drift
     with pytest.raises(ValueError, match="observed"):

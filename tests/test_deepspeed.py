@@ -229,21 +229,41 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_as_latest(tmp_path):
         assert_same(straight["residual"][3 + k], resumed["residual"][k])
 
 
+def monitor_series(monitor_dir) -> dict[str, list[float]]:
+    """The drift values a run's CSV monitor wrote, by name (``changed_fraction``, ...)."""
+    import csv
+    series = {}
+    for f in (monitor_dir / "fair").glob("*.csv"):
+        with open(f) as fh:
+            series[f.stem.removeprefix("Train_Samples_export_cast_")] = [float(v) for _, v in list(csv.reader(fh))[1:]]
+    return series
+
+
+def test_drift_telemetry_of_a_resumed_run_is_that_of_the_uninterrupted_run(tmp_path):
+    """The first step after a resume counts the change from the served model it loaded."""
+    run(2, export_cast=SR, steps=4, save_at=(2,), save_dir=str(tmp_path / "ckpt"), save_final=False,
+        monitor_dir=str(tmp_path / "straight"))
+    run(2, export_cast=SR, steps=2, load_dir=str(tmp_path / "ckpt"), monitor_dir=str(tmp_path / "resumed"))
+    straight, resumed = monitor_series(tmp_path / "straight"), monitor_series(tmp_path / "resumed")
+    assert len(straight["changed_fraction"]) == 4 and len(resumed["changed_fraction"]) == 2
+    assert all(v > 0 for v in straight["changed_fraction"])  # the first step too: from the initial model
+    for name in ("changed_fraction", "gap_ulps"):
+        assert resumed[name] == straight[name][2:], name
+
+
 @pytest.mark.parametrize("path,sample", [("zero2", None), ("zero3", 300), ("stage0", 300)])
 def test_drift_telemetry_reaches_deepspeed_csv_monitor(path, sample, tmp_path):
     """The monitor's values equal those of one DriftSample fed the gathered whole model: the
     sample is chosen by global element index, and each element counts once (stage 0: rank 0)."""
-    import csv
     from faircast_dist.telemetry import DriftSample, changed_fraction, reduce_drift, sample_stride
     rank0 = run(2, path=path, export_cast=SR, steps=4, monitor_dir=str(tmp_path), monitor_sample=sample)[0]
-    series = {}
-    for f in (tmp_path / "fair").glob("*.csv"):
-        with open(f) as fh:
-            series[f.stem.removeprefix("Train_Samples_export_cast_")] = [float(v) for _, v in list(csv.reader(fh))[1:]]
+    series = monitor_series(tmp_path)
     assert all(len(series[k]) == 4 for k in ("changed_fraction", "lag_steps", "gap_ulps", "export_ms")), series
     assert all(v > 0 for v in series["export_ms"])
     numel = sum(t.numel() for t in rank0["master"][0].values())
     whole = DriftSample(sample_stride(numel, sample or 65536))
+    whole.prime([(n, m, rank0["start"][0][n].reshape(-1), [(n, 0, m.numel(), 0)])  # the initial served model
+                 for n, m in rank0["master"][0].items()])
     for t in range(4):
         whole.observe([(n, rank0["master"][t][n], rank0["bf16"][t][n].reshape(-1), [(n, 0, m.numel(), 0)])
                        for n, m in rank0["master"][t].items()])
@@ -254,8 +274,9 @@ def test_drift_telemetry_reaches_deepspeed_csv_monitor(path, sample, tmp_path):
     assert whole.stride > 1 if sample else whole.stride == 1
     if sample is None:  # every element watched: the exact changed fraction
         flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
-        for t in range(1, 4):
-            exact = changed_fraction(flat(rank0["bf16"][t - 1]), flat(rank0["bf16"][t]))
+        served = [rank0["start"][0]] + rank0["bf16"]
+        for t in range(4):  # the first from the initial model
+            exact = changed_fraction(flat(served[t]), flat(served[t + 1]))
             assert series["changed_fraction"][t] == pytest.approx(exact, rel=1e-6)
     assert all(v == 0 for v in series["lag_steps"])  # SR at lr 1e-3 keeps up
 
