@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 from megatron_patches import compat
 
@@ -73,7 +74,7 @@ def wrap_training_log(training, optimizers: list) -> None:
     ``train()`` calls ``training_log`` on every rank after every iteration; at iterations that are
     multiples of ``--log-interval`` the wrapper reduces the telemetry (collective) and writes it
     with Megatron's ``get_tensorboard_writer()`` / ``get_wandb_writer()`` (set on the last rank).
-    Idempotent.
+    Idempotent. Warns (``RuntimeWarning``) when ``training_log``'s signature has no ``iteration``.
 
     Args:
         training: the module ``megatron.training.training``.
@@ -83,6 +84,9 @@ def wrap_training_log(training, optimizers: list) -> None:
     if getattr(original, "_faircast", False):
         return
     signature = inspect.signature(original)
+    if "iteration" not in signature.parameters:  # e.g. a (*args, **kwargs) wrapper without __wrapped__
+        warnings.warn(f"Fair Cast: training_log{signature} has no 'iteration' parameter; the drift "
+                      "telemetry is written only when train() passes iteration= by keyword", RuntimeWarning)
 
     @functools.wraps(original)
     def training_log(*args, **kwargs):

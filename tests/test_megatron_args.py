@@ -132,3 +132,15 @@ def test_telemetry_is_on_with_a_writer_unless_turned_off(argv, on):
     parser.add_argument("--tensorboard-dir")
     parser.add_argument("--wandb-project")
     assert logging_on(add_export_cast_args(parser).parse_args(argv)) is on
+
+
+def test_training_log_without_an_iteration_parameter_is_named():
+    """A training_log whose signature hides ``iteration`` would never log the drift: say so."""
+    from megatron_patches.telemetry import wrap_training_log
+
+    def training_log(*args, **kwargs):
+        return None
+    training = SimpleNamespace(training_log=training_log)
+    with pytest.warns(RuntimeWarning, match="no 'iteration' parameter"):
+        wrap_training_log(training, [])
+    assert training.training_log._faircast
