@@ -103,8 +103,8 @@ class OptimizerExport:
     def _cast(self, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> None:
         """Cast one group; ``out``: a bf16 1-D buffer laid out like ``hp`` to write instead of the
         fragments' own targets (ZeRO-1/2: the buffer DeepSpeed's copy was about to fill)."""
-        if self.drift is not None and not self.exported:  # the first group of this step's export
-            self.drift.timer.start(hp.device)
+        if self.drift is not None:  # one span per group (ZeRO steps each group just before its cast)
+            self.drift.timer.start(hp.device, new=not self.exported)
         flat, state = hp.view(-1), self.state(hp)
         state.pop(SERVED_KEY, None)
         residual = None
@@ -120,6 +120,8 @@ class OptimizerExport:
             for f in fragments:
                 self.caster.cast_flat(flat.narrow(0, f.start, f.numel), f.out, [(f.name, 0, f.numel, f.index)],
                                       None if residual is None else residual.narrow(0, f.start, f.numel))
+        if self.drift is not None:
+            self.drift.timer.stop()
         self.exported = True
         self._cast_now.add(id(hp))
 

@@ -34,7 +34,8 @@ class DriftMonitor:
         max_lag: K, past master samples kept.
 
     Attributes:
-        timer: the :class:`~faircast_dist.telemetry.ExportTimer` the export starts and stops.
+        timer: the :class:`~faircast_dist.telemetry.ExportTimer` the export starts and stops
+            (one span per group cast).
         events: the values of the last export not yet written (``{name: float}``).
     """
 
@@ -50,9 +51,7 @@ class DriftMonitor:
 
     def update(self, export) -> None:
         """Measure the export just finished (collective: every rank calls it)."""
-        pieces = self._pieces(export)
-        self.timer.stop()
-        self.drift.observe(pieces, device=get_accelerator().current_device_name())
+        self.drift.observe(self._pieces(export), device=get_accelerator().current_device_name())
         self.events = reduce_drift([self.drift], self.timer.ms())
 
     def _pieces(self, export) -> list:

@@ -306,33 +306,46 @@ def reduce_drift(samples: Sequence[DriftSample], export_ms: float = 0.0, group=N
 class ExportTimer:
     """Wall time of an export on its device, without a host sync when it is taken.
 
-    CUDA: a pair of ``torch.cuda.Event`` (read at :meth:`ms`, which waits for the end event);
-    other devices: ``time.perf_counter``.
+    An export may be cast in several spans with other work between them (DeepSpeed ZeRO-1/2 and
+    ZeRO-3 cast each param group right after stepping it): :meth:`start` with ``new=False`` opens
+    another span of the same export, and :meth:`ms` sums the spans, so the optimizer's own work
+    between them is not counted.
+
+    CUDA: a pair of ``torch.cuda.Event`` per span (read at :meth:`ms`, which waits for the last
+    end event); other devices: ``time.perf_counter``.
     """
 
     def __init__(self):
-        self._start = self._end = None
+        self._spans: list[list] = []  # [start, end or None] per span of the current export
 
-    def start(self, device) -> None:
-        """Mark the start of an export on ``device`` (a ``torch.device``)."""
+    def start(self, device, new: bool = True) -> None:
+        """Open a span on ``device`` (a ``torch.device``); ``new``: of a new export (the spans of
+        the previous one are dropped), else of the current one."""
+        if new:
+            self._spans = []
         if torch.device(device).type == "cuda":
-            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self._start.record()
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
         else:
-            self._start, self._end = time.perf_counter(), None
+            begin = time.perf_counter()
+        self._spans.append([begin, None])
 
     def stop(self) -> None:
-        """Mark the end of the export started last."""
-        if isinstance(self._start, float):
-            self._end = time.perf_counter()
-        elif self._start is not None:
-            self._end.record()
+        """Close the span opened last (nothing when it is closed already or none was opened)."""
+        if self._spans and self._spans[-1][1] is None:
+            span = self._spans[-1]
+            if isinstance(span[0], float):
+                span[1] = time.perf_counter()
+            else:
+                span[1] = torch.cuda.Event(enable_timing=True)
+                span[1].record()
 
     def ms(self) -> float:
-        """Milliseconds between the last start and stop (0.0 before any)."""
-        if self._start is None or self._end is None:
+        """Milliseconds in the closed spans of the current export (0.0 before any)."""
+        spans = [s for s in self._spans if s[1] is not None]
+        if not spans:
             return 0.0
-        if isinstance(self._start, float):
-            return 1e3 * (self._end - self._start)
-        self._end.synchronize()
-        return float(self._start.elapsed_time(self._end))
+        if isinstance(spans[0][0], float):
+            return 1e3 * sum(end - begin for begin, end in spans)
+        spans[-1][1].synchronize()
+        return float(sum(begin.elapsed_time(end) for begin, end in spans))

@@ -236,6 +236,26 @@ def test_drift_sample_primed_resume_reports_what_the_uninterrupted_run_does():
             assert got["changed_fraction"] == want["changed_fraction"] and got["gap_ulps"] == want["gap_ulps"]
 
 
+def test_export_timer_counts_only_its_spans():
+    """ZeRO casts each group right after stepping it: the step between two casts is not export time."""
+    import time
+    from faircast_dist.telemetry import ExportTimer
+    timer = ExportTimer()
+    assert timer.ms() == 0.0
+    timer.start("cpu")
+    time.sleep(0.05)
+    timer.stop()
+    time.sleep(0.4)  # the next group's optimizer step
+    timer.start("cpu", new=False)
+    time.sleep(0.05)
+    timer.stop()
+    timer.stop()  # closed already: no change
+    assert 100 <= timer.ms() < 400
+    timer.start("cpu")  # the next export
+    timer.stop()
+    assert timer.ms() < 50
+
+
 def test_reduce_drift_refuses_samples_that_have_not_observed():
     from faircast_dist.telemetry import DriftSample, reduce_drift
     with pytest.raises(ValueError, match="observed"):
