@@ -184,7 +184,8 @@ class DriftSample:
     (a replica that another rank also casts is left out by the caller, so that each element
     counts once over all ranks). It keeps, on the pieces' device, the served bits and the master
     of the sampled elements (``max_lag + 1`` past master samples) and leaves in :attr:`last` the
-    sums :func:`reduce_drift` needs. Nothing crosses to the host.
+    sums :func:`reduce_drift` needs. Nothing crosses to the host. :meth:`prime`, before the first
+    export, gives the first ``changed_fraction`` the served model it starts from.
 
     Args:
         stride: sampling stride (:func:`sample_stride`, the same on every rank).
