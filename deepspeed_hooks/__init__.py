@@ -154,6 +154,9 @@ def _load_serves_what_was_served(engine) -> None:
         if path is not None:
             meta = client_state.pop(checkpoint.CLIENT_KEY, None)
             checkpoint.finish_load(engine, os.path.join(load_dir, tag), meta, optimizer_states, universal)
+            drift = getattr(getattr(engine.optimizer, "fair_export", None), "drift", None)
+            if drift is not None:  # the served model was replaced: the next step primes again
+                drift.drift.reset()
         return path, client_state
 
     engine.load_checkpoint = load_checkpoint

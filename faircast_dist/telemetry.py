@@ -224,6 +224,12 @@ class DriftSample:
         s = torch.cat(served) if served else torch.zeros(0, dtype=torch.bfloat16, device=device)
         return m, s
 
+    def reset(self) -> None:
+        """Forget the served bits and master history (after a checkpoint load in a running
+        process): the next export is primed again and the lag history restarts."""
+        self.previous = self.last = self.ring = None
+        self.head, self.steps = -1, 0
+
     @torch.no_grad()
     def prime(self, pieces: Iterable[tuple], device=None) -> None:
         """Record the served bits before the first export (the model as initialised or loaded

@@ -246,6 +246,8 @@ class MegatronExport:
                                STATE_KEY)
             return
         self.caster.step = int(state["step"])
+        if self.drift is not None:  # the served model is replaced: the next export primes again
+            self.drift.reset()
         if self.caster.method != "error_feedback":
             return
         saved = state.get("residual") or {}

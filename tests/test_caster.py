@@ -265,3 +265,25 @@ def test_reduce_drift_refuses_samples_that_have_not_observed():
         s.observe([], device="cpu")
     with pytest.raises(ValueError, match="disagree"):
         reduce_drift([a, b])
+
+
+def test_drift_sample_reset_forgets_the_served_model_and_the_history():
+    """After a checkpoint load mid-run the integrations reset the sample: the next export is
+    primed from the loaded model and the lag history restarts."""
+    from faircast_dist.telemetry import DriftSample, reduce_drift
+    g = torch.Generator().manual_seed(2)
+    rows = [("w", 0, 2000, 0)]
+    drift = DriftSample(stride=1, max_lag=4)
+    old = [torch.randn(2000, generator=g) for _ in range(3)]
+    for m in old:
+        drift.observe([("w", m, m.to(torch.bfloat16), rows)])
+    loaded = torch.randn(2000, generator=g)  # a checkpoint of another run
+    drift.reset()
+    drift.prime([("w", loaded, loaded.to(torch.bfloat16), rows)])
+    new = loaded + 1e-2 * torch.randn(2000, generator=g)
+    drift.observe([("w", new, new.to(torch.bfloat16), rows)])
+    got = reduce_drift([drift])
+    assert drift.steps == 1 and got["lag_steps"] == 0
+    assert got["changed_fraction"] == pytest.approx(
+        changed_fraction(loaded.to(torch.bfloat16), new.to(torch.bfloat16)), rel=1e-6)
+    assert int((drift.ring != 0).any(dim=1).sum()) == 1  # the old masters are gone from the history
