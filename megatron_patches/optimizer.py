@@ -139,7 +139,9 @@ class MegatronExport:
             runs = self._shard_runs(shard)
             fragments += [(k, *run) for run in runs]
             key = (id(shard.model_param), shard.start, shard.end)
-            if self.drift is not None and self._counted.setdefault(key, self.counts(shard)):
+            if self.drift is not None and key not in self._counted:
+                self._counted[key] = self.counts(shard)  # once per shard, not every step
+            if self.drift is not None and self._counted[key]:
                 pieces.append((key, masters[-1], outs[-1], runs))
         if self.drift is not None and self.drift.previous is None:  # the first export (of this run or since a resume)
             self.drift.prime(pieces, device=self.device())
