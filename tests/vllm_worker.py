@@ -1,0 +1,156 @@
+"""Served weights from a DeepSpeed trainer into a real vLLM engine through VllmReceiver (torchrun, 2 ranks).
+
+    torchrun --standalone --nproc_per_node 2 tests/vllm_worker.py OUT_JSON
+
+One vLLM engine (rank 0) receives, for ZeRO-2 and ZeRO-3 and every method, a full update one tensor per
+call, a full update in one call, and 3 steps of deltas (the first one tensor per call, then bucketed);
+after every push the engine's weights, read back through its kernels, are compared bit for bit with
+``served_weights(engine)``. Then bad updates (each must raise and write nothing) and a planted partial
+write of a fused layer (``verify()`` must catch it). Rank 0 writes what it saw to OUT_JSON.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+METHODS = ("nearest", "stochastic", "error_feedback", "dithered")
+# head_dim 32 (vLLM's CPU attention needs >= 32), GQA (fused qkv of unequal parts), tied embeddings
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=128)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.int16)
+
+
+def main(out_json: str) -> None:
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the JIT shm op build
+    import torch.distributed as dist
+
+    import deepspeed_hooks
+    from deepspeed_hooks.served import served_deltas, served_weights
+    from faircast_dist.delta import DeltaTracker
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    tmp = tempfile.mkdtemp(prefix="faircast-vllm-") if rank == 0 else None
+    receiver = None
+    if rank == 0:
+        from vllm import LLM
+
+        from faircast_dist.vllm_receiver import VllmReceiver
+        tiny_llama().to(torch.bfloat16).save_pretrained(tmp)
+        llm = LLM(model=tmp, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
+                  seed=0)
+        receiver = VllmReceiver(llm)
+    dist.barrier()
+    report = {"pushes": [], "errors": {}}
+    seen = {"payload_bytes": 0, "engine_bytes": 0}
+
+    def check(where: str, engine, kind: str) -> None:
+        served = {n: t.detach().to("cpu", copy=True) for n, t in served_weights(engine, bucket_bytes=4096)}
+        if rank:
+            return
+        engine_side = receiver.read()
+        wrong = [n for n, t in served.items() if not torch.equal(bits(engine_side[n]), bits(t))]
+        if not torch.equal(bits(engine_side["lm_head.weight"]), bits(served["model.embed_tokens.weight"])):
+            wrong.append("lm_head.weight (tied)")
+        receiver.verify()
+        moved = {k: receiver.totals[k] - seen[k] for k in seen}  # since the previous check
+        seen.update((k, receiver.totals[k]) for k in seen)
+        report["pushes"].append(dict(where=where, kind=kind, wrong=wrong, served_tensors=len(served), **moved))
+
+    for stage in (2, 3):
+        for method in METHODS:
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+                   "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                   "steps_per_print": 10**9,
+                   "export_cast": {"mode": "nearest"} if method == "nearest" else
+                   {"mode": "fair", "method": method, "seed": 7}}
+            if stage == 3:
+                with deepspeed.zero.Init(config_dict_or_path=cfg):
+                    model = tiny_llama()
+            else:
+                model = tiny_llama()
+            engine, *_ = deepspeed_hooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            where = f"zero{stage}/{method}"
+            for name, t in served_weights(engine, bucket_bytes=4096):  # a full update, one tensor per call
+                if rank == 0:
+                    receiver.load([(name, t)])
+            check(where + "/full, one tensor a call", engine, "full")
+            full = [(n, t.detach().clone()) for n, t in served_weights(engine, bucket_bytes=4096)]
+            if rank == 0:
+                receiver.load(full)  # a full update in one call
+            check(where + "/full, one call", engine, "full")
+            tracker = DeltaTracker()
+            list(served_deltas(engine, tracker))  # the baseline: the engine holds it already
+            for step in range(1, 4):
+                g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+                ids = torch.randint(0, TINY["vocab_size"], (2, 16), generator=g)
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.step()
+                deltas = list(served_deltas(engine, tracker, bucket_bytes=4096))
+                if rank == 0:
+                    if step == 1:
+                        for d in deltas:
+                            receiver.apply([d])
+                    else:
+                        receiver.apply(deltas)
+                check(where + f"/deltas step {step}" + (", one tensor a call" if step == 1 else ""), engine, "delta")
+            engine.destroy()
+
+    if rank == 0:  # bad updates: each raises before anything is written
+        w = dict(receiver.weights)
+        name = "model.layers.0.self_attn.k_proj.weight"
+        good = ("model.layers.0.self_attn.q_proj.weight", torch.zeros_like(w["model.layers.0.self_attn.q_proj.weight"]))
+        cases = {
+            "unknown name": lambda: receiver.load([good, ("model.layers.9.mlp.up_proj.weight", w[name])]),
+            "tied head name": lambda: receiver.load([("lm_head.weight", w["model.embed_tokens.weight"])]),
+            "wrong dtype": lambda: receiver.load([good, (name, w[name].float())]),
+            "wrong shape": lambda: receiver.load([good, (name, w[name].reshape(-1))]),
+            "given twice": lambda: receiver.load([good, good]),
+            "index out of range": lambda: receiver.apply([(name, torch.tensor([0, w[name].numel()], dtype=torch.int32),
+                                                           torch.zeros(2, dtype=torch.bfloat16))]),
+            "delta values dtype": lambda: receiver.apply([(name, torch.tensor([0]), torch.zeros(1))]),
+            "delta lengths": lambda: receiver.apply([(name, torch.tensor([0, 1]), torch.zeros(1, dtype=torch.bfloat16))]),
+        }
+        for what, call in cases.items():
+            try:
+                call()
+                report["errors"][what] = "no error"
+            except (KeyError, TypeError, ValueError) as err:
+                report["errors"][what] = f"{type(err).__name__}: {err}"
+            receiver.verify()  # nothing was written: the engine still serves the copy
+        report["copy_unchanged"] = all(torch.equal(bits(receiver.weights[n]), bits(t)) for n, t in w.items())
+        # a planted partial write: one shard of a fused layer, straight through the reload receiver.load avoids
+        from faircast_dist.vllm_receiver import WeightMismatch, _push
+        q = "model.layers.1.self_attn.q_proj.weight"
+        receiver.llm.collective_rpc(functools.partial(_push, weights=[(q, receiver.weights[q])], repack_head=False))
+        try:
+            receiver.verify()
+            report["planted"] = "not caught"
+        except WeightMismatch as err:
+            report["planted"] = str(err)
+        report["copy_bytes"] = receiver.nbytes()
+        with open(out_json, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
