@@ -8,11 +8,13 @@ Arms (the export cast) are compared in seed pairs.
 
 Trainer: DeepSpeed ZeRO-2, bf16 with fp32 masters, AdamW (torch), Fair Cast switched by the
 ``"export_cast"`` config key through ``deepspeed_hooks.initialize``; nothing else depends on the arm.
-Rollout engine: a separate bf16 copy of the policy (one per rank, like a colocated vLLM) that only
-ever receives the trainer's weights, after every optimizer step, through ``served_weights(engine)``
-into a vLLM-shaped ``load_weights(iterable of (name, tensor))``; after each sync its weights are
-checked bit for bit against the trainer's bf16 model (a mismatch stops the run). It samples the
-rollouts (HF ``generate``, bf16, temperature 1, no top-k/top-p) and records their log-probs.
+Rollout engine (``--engine vllm``, the default where vLLM imports): one real vLLM engine on rank 0, started
+once per launch, that samples every rank's rollouts (temperature 1, full vocabulary, a seed per request) and
+records vLLM's log-probs; it receives the trainer's weights only after every optimizer step, through
+``served_weights(engine)`` -> ``faircast_dist.vllm_receiver.VllmReceiver.load`` (``--sync delta``:
+``served_deltas`` -> ``VllmReceiver.apply``), and after each sync its weights, read back through its kernels,
+are checked bit for bit against the trainer's bf16 model (a mismatch stops the run). ``--engine hf``: a bf16
+HF copy of the policy per rank, HF ``generate``, weights through a vLLM-shaped ``load_weights``.
 
 GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300): G completions per prompt, advantage
 (r - mean_group) / (std_group + 1e-4), token-level PPO-clip loss (sum over all response tokens of
@@ -42,7 +44,9 @@ import copy
 import csv
 import datetime
 import hashlib
+import importlib.util
 import json
+import math
 import os
 import re
 import time
@@ -55,6 +59,9 @@ import torch.nn.functional as F
 from fair_demo_common import METHODS, SMOLLM2_GGUF, TINY_LLAMA, export_cast_config
 
 TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)  # reasoning-gym chain_sum
+# the tiny policy: head_dim 32 (vLLM's CPU attention supports head sizes from 32 up; the demo's 16 does not)
+TINY = {**TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 1}
+ENGINES = ("vllm", "hf")
 EVAL_SEED = 1_000_003
 BASELINE = "nearest"
 
@@ -67,6 +74,13 @@ def parse_args(argv=None):
                         "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)")
     p.add_argument("--arms", default="nearest,stochastic,error_feedback",
                    help=f"comma-separated export casts, from {METHODS}; must include {BASELINE!r}")
+    p.add_argument("--engine", choices=ENGINES, default="vllm" if importlib.util.find_spec("vllm") else "hf",
+                   help="rollout engine: vllm (one vLLM engine on rank 0 samples every rank's rollouts; weights "
+                        "through faircast_dist.vllm_receiver) or hf (a bf16 HF copy per rank, generate()) "
+                        "[default: vllm where importable]")
+    p.add_argument("--sync", choices=("full", "delta"), default="full",
+                   help="weight sync after each optimizer step: full (served_weights) or delta (served_deltas: "
+                        "only the changed elements; vllm engine only)")
     p.add_argument("--pairs", type=int, default=25, help="seed pairs (each runs every arm)")
     p.add_argument("--seed", type=int, default=0, help="pair p uses seed SEED + p")
     p.add_argument("--steps", type=int, default=None,
@@ -114,6 +128,8 @@ def parse_args(argv=None):
         p.error(f"--clip must be in (0, 1), got {args.clip}")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if args.sync == "delta" and args.engine != "vllm":
+        p.error("--sync delta needs --engine vllm (the HF engine takes full weights only)")
     if (args.prompts * args.group) % args.minibatches:
         p.error(f"--minibatches {args.minibatches} must divide --prompts x --group = {args.prompts * args.group}")
     return args
@@ -179,12 +195,12 @@ def build_policy(args, task: Task, rank: int):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     if args.model == "smollm2":
         return AutoModelForCausalLM.from_pretrained(_smollm2_folder(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    cfg = LlamaConfig(**TINY_LLAMA, eos_token_id=task.eos, pad_token_id=task.pad, bos_token_id=None)
+    cfg = LlamaConfig(**TINY, eos_token_id=task.eos, pad_token_id=task.pad, bos_token_id=None)
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg)
     if args.warm_steps == 0:
         return model
-    key = hashlib.sha256(json.dumps([TINY_LLAMA, TASK, args.seed, args.warm_steps, args.warm_lr,
+    key = hashlib.sha256(json.dumps([TINY, TASK, args.seed, args.warm_steps, args.warm_lr,
                                      args.warm_batch]).encode()).hexdigest()[:12]
     path = os.path.join(args.out_dir, f"warm_start_{key}.pt")
     if rank == 0 and not os.path.exists(path):
@@ -215,7 +231,8 @@ def warm_start(model, task: Task, args) -> None:
 
 # ----------------------------------------------------------------------------- rollout engine
 class RolloutEngine:
-    """A separate bf16 copy of the policy that samples rollouts; it gets weights only via load_weights.
+    """``--engine hf``: a separate bf16 copy of the policy per rank that samples that rank's rollouts with HF
+    ``generate``; it gets weights only via load_weights.
 
     Args:
         model: the policy (any dtype); deep-copied, its parameters cast to bf16 here (their values
@@ -237,6 +254,12 @@ class RolloutEngine:
         self.params = dict(self.model.named_parameters())
         self.eos, self.pad = eos, pad
 
+    collective = False  # each rank samples its own rollouts
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What the engine computes with: ``{name: tensor}`` of its params and buffers."""
+        return {**self.params, **dict(self.model.named_buffers())}
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(name, tensor)`` pairs into the model, as vLLM's ``model.load_weights`` does.
@@ -254,10 +277,11 @@ class RolloutEngine:
             p.copy_(tensor)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, greedy: bool = False) -> dict:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, greedy: bool = False,
+                 seed: int | None = None) -> dict:
         """Sample (temperature 1, full vocabulary) or greedily complete each prompt once.
 
-        Sampling draws from torch's global RNG: seed it first for a reproducible batch.
+        Sampling draws from torch's global RNG, seeded with ``seed`` first when given.
 
         Returns:
             ``ids`` int64 ``[B, L]`` (left-padded prompt + completion), ``attention_mask`` int64
@@ -266,6 +290,8 @@ class RolloutEngine:
             log-prob of each target while sampling; 0 off the mask), ``completions`` (token lists).
         """
         from transformers import GenerationConfig
+        if seed is not None:
+            torch.manual_seed(seed)
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
         attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
@@ -289,10 +315,140 @@ class RolloutEngine:
         return dict(ids=out.sequences, attention_mask=attention_mask, mask=mask, logp=logp, completions=completions)
 
 
-def sync_weights(engine, rollout: RolloutEngine) -> None:
-    """Ship the trainer's served bf16 weights to the rollout engine (the product's API, bucketed)."""
-    from deepspeed_hooks.served import served_weights
-    rollout.load_weights(served_weights(engine))
+class VllmEngine:
+    """``--engine vllm``: the rollout engine as RL stacks colocate it, a real vLLM engine (on rank 0) that
+    samples every rank's rollouts and gets weights only through
+    :class:`faircast_dist.vllm_receiver.VllmReceiver` (full updates or deltas, checked bit for bit).
+
+    One engine serves both ranks: each rank's prompts go to rank 0 and its completions come back
+    (``generate`` is collective); with ``per_rank`` every rank has its own engine instead
+    (``scripts/bench_rollout.py`` measures both layouts). Started once per launch from ``model`` written to ``out_dir/engine_model``
+    (bf16 safetensors; the first sync of every arm replaces its weights), eager mode, no tokenizer
+    (token ids in and out). Sampling: temperature 1, full vocabulary, one seed per request, so a request
+    samples the same tokens whatever else shares its batch; log-probs are vLLM's raw log-probs of the
+    sampled tokens.
+
+    Args:
+        model: the initial policy (fp32 ``LlamaForCausalLM``); eos, pad: token ids; out_dir: where the
+            engine's model folder goes (one per engine).
+    """
+
+    def __init__(self, model, eos: int, pad: int, out_dir: str, per_rank: bool = False):
+        self.eos, self.pad = eos, pad
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.collective = not per_rank
+        self.receiver = None
+        if per_rank or self.rank == 0:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (the default takes GBs)
+            from faircast_dist.vllm_receiver import VllmReceiver
+            from vllm import LLM
+            path = save_checkpoint(model, os.path.join(out_dir, "engine_model"))
+            self.llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                           max_model_len=1024, seed=0)
+            self.receiver = VllmReceiver(self.llm)
+        dist.barrier()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A full update (``(name, bf16 tensor)`` pairs); every rank passes its iterable, rank 0 sends it."""
+        if self.receiver is not None:
+            self.receiver.load(weights)
+        else:
+            for _ in weights:  # run the sender to its end (collective under ZeRO-3)
+                pass
+
+    def apply_deltas(self, deltas: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """A delta update (``served_deltas`` triples); every rank passes its iterable, rank 0 sends it."""
+        if self.receiver is not None:
+            self.receiver.apply(deltas)
+        else:
+            for _ in deltas:
+                pass
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The engine's effective weights (None on a rank without an engine): the receiver's copy, once
+        ``verify()`` has checked that every weight read back from the engine through its kernels (the tied
+        head included) equals it bit for bit (only digests leave the engine)."""
+        if self.receiver is None:
+            return None
+        self.receiver.verify()
+        return self.receiver.weights
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, greedy: bool = False,
+                 seed: int | None = None) -> dict:
+        """As :meth:`RolloutEngine.generate` (same returns); collective: every rank calls it, with its own prompts
+        (possibly none). Request i of this rank samples with seed ``seed * 4096 + i``."""
+        seeds = [None if greedy or seed is None else seed * 4096 + i for i in range(len(prompts))]
+        if not self.collective:
+            return pack_rollouts(prompts, self._sample(prompts, seeds, max_new_tokens, greedy), self.pad)
+        shares = [None] * self.world
+        dist.all_gather_object(shares, (prompts, seeds))
+        results = [None] * self.world
+        if self.rank == 0:
+            done = self._sample([p for ps, _ in shares for p in ps], [s for _, ss in shares for s in ss],
+                                max_new_tokens, greedy)
+            at = 0
+            for r, (ps, _) in enumerate(shares):
+                results[r], at = done[at:at + len(ps)], at + len(ps)
+        mine = [None]
+        dist.scatter_object_list(mine, results, src=0)
+        return pack_rollouts(prompts, mine[0], self.pad)
+
+    def _sample(self, prompts, seeds, max_new_tokens: int, greedy: bool) -> list[tuple[list[int], list[float]]]:
+        """``(completion ids, their log-probs)`` per prompt, from this rank's engine."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=0.0 if greedy else 1.0, seed=s, logprobs=0,
+                                 stop_token_ids=[self.eos], detokenize=False) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                o.outputs[0].logprobs)])
+                for o in outs]
+
+
+def save_checkpoint(model, path: str) -> str:
+    """Write ``model`` as a bf16 Hugging Face folder (config.json + model.safetensors) that vLLM loads; returns
+    ``path``. (``save_pretrained`` refuses a model loaded from GGUF: it counts as quantized.)"""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg.update(architectures=[type(model).__name__], dtype="bfloat16", torch_dtype="bfloat16")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()},
+              os.path.join(path, "model.safetensors"))
+    return path
+
+
+def pack_rollouts(prompts: list[list[int]], done: list[tuple[list[int], list[float]]], pad: int) -> dict:
+    """The :meth:`RolloutEngine.generate` dict from per-prompt ``(completion ids, their log-probs)``: prompts
+    left-padded to one width, completions right-padded (each up to and including its EOS)."""
+    if not prompts:
+        return dict(ids=torch.zeros(0, 1, dtype=torch.long), attention_mask=torch.zeros(0, 1, dtype=torch.long),
+                    mask=torch.zeros(0, 0, dtype=torch.bool), logp=torch.zeros(0, 0), completions=[])
+    width, steps = max(len(p) for p in prompts), max(len(c) for c, _ in done)
+    B, L = len(prompts), width + steps
+    ids = torch.full((B, L), pad, dtype=torch.long)
+    attention_mask = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L - 1, dtype=torch.bool)
+    logp = torch.zeros(B, L - 1)
+    for b, (p, (c, lp)) in enumerate(zip(prompts, done)):
+        ids[b, width - len(p):width + len(c)] = torch.tensor(p + c)
+        attention_mask[b, width - len(p):width + len(c)] = 1
+        mask[b, width - 1:width - 1 + len(c)] = True
+        logp[b, width - 1:width - 1 + len(c)] = torch.tensor(lp)
+    return dict(ids=ids, attention_mask=attention_mask, mask=mask, logp=logp, completions=[c for c, _ in done])
+
+
+def sync_weights(engine, rollout, tracker=None) -> None:
+    """Ship the trainer's served bf16 weights to the rollout engine (the product's API, bucketed): whole
+    (``served_weights``) or, with a ``DeltaTracker``, only what changed since the last sync (``served_deltas``)."""
+    from deepspeed_hooks.served import served_deltas, served_weights
+    if tracker is None:
+        rollout.load_weights(served_weights(engine))
+    else:
+        rollout.apply_deltas(served_deltas(engine, tracker))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -300,12 +456,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def check_synced(engine, rollout: RolloutEngine, where: str) -> None:
+def check_synced(engine, rollout, where: str) -> None:
     """Raise RuntimeError naming the first param or buffer whose rollout-engine dtype or bits differ from the
-    trainer's (``engine.module``)."""
-    mine = dict(rollout.model.named_buffers())
-    for name, t in [*engine.module.named_parameters(), *engine.module.named_buffers()]:
-        theirs = rollout.params.get(name, mine.get(name))
+    trainer's (``engine.module``): what the engine computes with, read back from it (a tied output head
+    included); buffers where the engine has them (the HF engine; vLLM builds its own RoPE tables). A no-op on
+    the ranks of a collective engine that do not hold it."""
+    theirs_all = rollout.weights()
+    if theirs_all is None:
+        return
+    mine = dict(engine.module.named_parameters())
+    pairs = [*mine.items(), *((n, b) for n, b in engine.module.named_buffers() if n in theirs_all)]
+    if "lm_head.weight" in theirs_all and "lm_head.weight" not in mine:  # tied: the head computes with the embedding
+        pairs.append(("lm_head.weight", mine["model.embed_tokens.weight"]))
+    for name, t in pairs:
+        theirs = theirs_all.get(name)
         if theirs is None or theirs.dtype != t.dtype or theirs.shape != t.shape:
             raise RuntimeError(f"{where}: the rollout engine's {name!r} is "
                                f"{'missing' if theirs is None else f'{theirs.dtype} {tuple(theirs.shape)}'}; the "
@@ -353,11 +517,11 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torc
     return (loss * mask).sum() / (n if n_tokens is None else n_tokens), float(clipped.sum() / n)
 
 
-def count_correct(rollout: RolloutEngine, task: Task, dataset, indices: Iterable[int], max_new_tokens: int) -> float:
+def count_correct(rollout, task: Task, dataset, indices: Iterable[int], max_new_tokens: int) -> float:
     """Number of ``dataset[i]`` (i in ``indices``) the rollout engine answers right, greedily; 0.0 for none
-    (a rank whose share of a held-out set smaller than the world is empty)."""
+    (a rank whose share of a held-out set smaller than the world is empty; a collective engine is still called)."""
     entries = [dataset[i] for i in indices]
-    if not entries:
+    if not entries and not rollout.collective:
         return 0.0
     out = rollout.generate([task.prompt(e) for e in entries], max_new_tokens, greedy=True)
     return sum(task.reward(dataset, e, task.decode(c)) for e, c in zip(entries, out["completions"]))
@@ -369,8 +533,9 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- one arm of one pair
-def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, bar=None) -> list[dict]:
-    """Train one arm for ``args.steps`` GRPO steps from ``init_model`` (fp32, left unchanged).
+def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eval_set, bar=None) -> list[dict]:
+    """Train one arm for ``args.steps`` GRPO steps from ``init_model`` (fp32, left unchanged), sampling with
+    ``rollout`` (its weights are replaced by the arm's first sync).
 
     Rank 0 returns one record per step (and one for step 0, the first eval); other ranks return [].
     """
@@ -394,8 +559,9 @@ def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, ba
         "export_cast": export_cast_config(arm, seed),
     }
     engine, *_ = deepspeed_hooks.initialize(model=model, model_parameters=model.parameters(), config=config)
-    rollout = RolloutEngine(init_model, task.eos, task.pad)
-    sync_weights(engine, rollout)
+    from faircast_dist.delta import DeltaTracker
+    tracker = DeltaTracker() if args.sync == "delta" else None  # the first delta sync sends every element
+    sync_weights(engine, rollout, tracker)
     check_synced(engine, rollout, f"arm {arm}, seed {seed}, step 0")
     params = dict(engine.module.named_parameters())
     names = list(params)
@@ -423,8 +589,11 @@ def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, ba
     records = [dict(pair_seed=seed, arm=arm, step=0, eval_acc=acc)] if rank == 0 else []
     for step in range(1, args.steps + 1):
         entries = [train_set[((step - 1) * world + rank) * args.prompts + i] for i in range(args.prompts)]
-        torch.manual_seed(seed * 1_000_003 + step * 101 + rank)  # same rollouts for every arm of the pair
-        roll = rollout.generate([task.prompt(e) for e in entries for _ in range(args.group)], args.max_new_tokens)
+        t0 = time.perf_counter()
+        roll = rollout.generate([task.prompt(e) for e in entries for _ in range(args.group)], args.max_new_tokens,
+                                seed=seed * 1_000_003 + step * 101 + rank)  # same rollouts for every arm of the pair
+        gen = torch.tensor([float(roll["mask"].sum()), 1e3 * (time.perf_counter() - t0)])
+        dist.all_reduce(gen)  # tokens on all ranks; the ranks' generate ms (averaged below)
         rewards = torch.tensor([task.reward(train_set, e, task.decode(c))
                                 for e, c in zip((e for e in entries for _ in range(args.group)), roll["completions"])])
         advantages = group_advantages(rewards, args.group)
@@ -437,13 +606,20 @@ def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, ba
                     off += p.numel()
                 kw = dict(attention_mask=roll["attention_mask"], position_ids=position_ids(roll["attention_mask"]))
                 m_logits = torch.func.functional_call(master_model, flat, (roll["ids"],), kw).logits[:, :-1]
-                s_logits = rollout.model(roll["ids"], **kw).logits[:, :-1]
+                s_logits = engine.module(roll["ids"], **kw).logits[:, :-1]  # the served weights, in the trainer
             row["logp_gap"], row["kl"] = logprob_gap(m_logits, s_logits, roll["ids"][:, 1:], roll["mask"])
             row["rollout_sha"] = hashlib.sha256(roll["ids"].numpy().tobytes()).hexdigest()[:16]
         step_ms = sync_ms = clip_frac = 0.0
-        for chunk in torch.arange(len(rewards)).chunk(args.minibatches):
+        moved = dict(rollout.receiver.totals) if getattr(rollout, "receiver", None) is not None else None
+        for k, chunk in enumerate(torch.arange(len(rewards)).chunk(args.minibatches)):
             ids, attn = roll["ids"][chunk], roll["attention_mask"][chunk]
             logits = engine(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn)).logits
+            if k == 0:  # the weights that sampled the rollout: trainer forward vs engine log-probs, same tokens
+                with torch.no_grad():
+                    d = (token_logp(logits, ids) - roll["logp"][chunk])[roll["mask"][chunk]]
+                    mismatch = torch.tensor([d.abs().sum(), (torch.exp(d) - 1 - d).sum(), float(d.numel())],
+                                            dtype=torch.float64)  # sum |dlogp|, sum k3 KL estimate, tokens
+                dist.all_reduce(mismatch)
             n_tokens = roll["mask"][chunk].sum().double().reshape(1)
             dist.all_reduce(n_tokens)  # the minibatch's tokens on all ranks: a token-level mean over all of them
             loss, clipped = grpo_loss(token_logp(logits, ids), roll["logp"][chunk], advantages[chunk],
@@ -452,7 +628,7 @@ def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, ba
             t0 = time.perf_counter()
             engine.step()
             t1 = time.perf_counter()
-            sync_weights(engine, rollout)
+            sync_weights(engine, rollout, tracker)
             sync_ms += 1e3 * (time.perf_counter() - t1)
             step_ms += 1e3 * (t1 - t0)
             clip_frac += clipped / args.minibatches
@@ -472,7 +648,12 @@ def run_arm(args, task, init_model, arm: str, seed: int, train_set, eval_set, ba
                        lag_steps=lag.update(master[lag.index], served_now[lag.index]),
                        gap_ulps=gap_ulps(served_now[lag.index], master[lag.index]),
                        update_ulps=update[torch.isfinite(update)].median().item(),
-                       step_ms=step_ms, sync_ms=sync_ms, clip_frac=clip_frac)
+                       step_ms=step_ms, sync_ms=sync_ms, clip_frac=clip_frac,
+                       engine_dlogp=(mismatch[0] / mismatch[2].clamp_min(1)).item(),
+                       engine_kl=(mismatch[1] / mismatch[2].clamp_min(1)).item(),
+                       gen_tokens=int(gen[0]), gen_ms=gen[1].item() / world)
+            if moved is not None:  # bytes of this step's syncs: sender -> receiver, receiver -> engine
+                row.update((k, rollout.receiver.totals[k] - moved[k]) for k in ("payload_bytes", "engine_bytes"))
             records.append(row)
             if bar is not None:
                 bar.update(1)
@@ -531,8 +712,9 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(args.out_dir, exist_ok=True)
-    fields = ["pair_seed", "arm", "step", "reward", "eval_acc", "logp_gap", "kl", "changed_pct", "lag_steps",
-              "gap_ulps", "update_ulps", "step_ms", "sync_ms", "clip_frac", "rollout_sha"]
+    fields = ["pair_seed", "arm", "step", "reward", "eval_acc", "logp_gap", "kl", "engine_dlogp", "engine_kl",
+              "changed_pct", "lag_steps", "gap_ulps", "update_ulps", "step_ms", "sync_ms", "gen_ms", "gen_tokens",
+              "payload_bytes", "engine_bytes", "clip_frac", "rollout_sha"]
     with open(os.path.join(args.out_dir, "steps.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -550,8 +732,9 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
           f"held-out accuracy (greedy, {args.eval_size} problems) over the last {args.eval_last} evals; tie band "
           f"+-{args.tie_band:g} points vs {BASELINE} (declared before running).", "",
           "| arm | score (points) | gain vs nearest | W / T / L | reward (mean/step) | changed %/step | lag at end "
-          "(steps) | gap ulps | update ulps/step | |dlogp|/tok | KL/tok | step ms | sync ms |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "(steps) | gap ulps | update ulps/step | \\|dlogp\\|/tok | KL/tok | trainer-engine \\|dlogp\\|/tok | "
+          "trainer-engine KL/tok | sync KB/step (sent / into engine) | step ms | sync ms |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for arm in args.arms:
         t = table[arm]
@@ -559,13 +742,17 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
                          losses=t["losses"], pairs=t["pairs"], reward=mean(arm, "reward"),
                          changed_pct=mean(arm, "changed_pct"), lag_end=mean(arm, "lag_steps", last),
                          gap_ulps=mean(arm, "gap_ulps"), update_ulps=mean(arm, "update_ulps"),
-                         logp_gap=mean(arm, "logp_gap"), kl=mean(arm, "kl"), step_ms=mean(arm, "step_ms"),
+                         logp_gap=mean(arm, "logp_gap"), kl=mean(arm, "kl"), engine_dlogp=mean(arm, "engine_dlogp"),
+                         engine_kl=mean(arm, "engine_kl"), payload_kb=mean(arm, "payload_bytes") / 1e3,
+                         engine_kb=mean(arm, "engine_bytes") / 1e3, step_ms=mean(arm, "step_ms"),
                          sync_ms=mean(arm, "sync_ms")))
         r = rows[-1]
         wtl = "-" if arm == BASELINE else f"{r['wins']} / {r['ties']} / {r['losses']}"
+        sync_kb = "-" if math.isnan(r["payload_kb"]) else f"{r['payload_kb']:.1f} / {r['engine_kb']:.1f}"
         md.append(f"| {arm} | {r['score']:.2f} | {r['mean_gain']:+.2f} | {wtl} | {r['reward']:.3f} | "
                   f"{r['changed_pct']:.3f} | {r['lag_end']:.1f} | {r['gap_ulps']:.3f} | {r['update_ulps']:.3f} | "
-                  f"{r['logp_gap']:.2e} | {r['kl']:.2e} | {r['step_ms']:.1f} | {r['sync_ms']:.1f} |")
+                  f"{r['logp_gap']:.2e} | {r['kl']:.2e} | {r['engine_dlogp']:.2e} | {r['engine_kl']:.2e} | "
+                  f"{sync_kb} | {r['step_ms']:.1f} | {r['sync_ms']:.1f} |")
     md += [""] + notes
     with open(os.path.join(args.out_dir, "summary.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -608,13 +795,16 @@ def main(argv=None) -> list[dict]:
     task = Task(args.model)
     init_model = build_policy(args, task, rank)
     eval_set = task.problems(args.eval_size, seed=EVAL_SEED)
+    # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights
+    rollout = VllmEngine(init_model, task.eos, task.pad, args.out_dir) if args.engine == "vllm" else \
+        RolloutEngine(init_model, task.eos, task.pad)
     records: list[dict] = []
     bar = tqdm(total=args.pairs * len(args.arms) * args.steps, desc="GRPO", disable=rank != 0)
     for pair in range(args.pairs):
         seed = args.seed + pair
         train_set = task.problems(args.steps * args.prompts * world, seed=seed)
         for arm in args.arms:
-            records += run_arm(args, task, init_model, arm, seed, train_set, eval_set, bar)
+            records += run_arm(args, task, init_model, rollout, arm, seed, train_set, eval_set, bar)
     bar.close()
     if rank == 0:
         updates = [r["update_ulps"] for r in records if r.get("update_ulps") is not None]
@@ -622,7 +812,11 @@ def main(argv=None) -> list[dict]:
                  f"step (the paper's regime: 0.02-0.2).",
                  "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
                                       else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps"),
-                 "Rollout engine == trainer bf16 model, bit for bit, after every sync: True (checked each step).",
+                 f"Rollout engine: {'vLLM (one engine on rank 0 for all ranks)' if args.engine == 'vllm' else 'HF generate (a bf16 copy per rank)'}"
+                 f", {args.sync} weight sync; generation {sum(r['gen_tokens'] for r in records if r['step']) / max(1e-9, sum(r['gen_ms'] for r in records if r['step']) / 1e3):.0f} "
+                 f"completion tokens/s (rollouts, all ranks).",
+                 "Rollout engine == trainer bf16 model, bit for bit, after every sync: True (checked each step"
+                 + (", read back from vLLM through its kernels)." if args.engine == "vllm" else ")."),
                  f"Step-1 rollouts identical across arms within every pair: "
                  f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s}) == 1 for s in {r['pair_seed'] for r in records})}"]
         text = summarize(records, args, notes)

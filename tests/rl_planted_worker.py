@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import rl_grpo  # noqa: E402
 
 
-def load_master_instead(engine, rollout):
+def load_master_instead(engine, rollout, tracker=None):
     from deepspeed.utils import safe_get_full_fp32_param
     rollout.load_weights((n, safe_get_full_fp32_param(p).to(torch.bfloat16)) for n, p in engine.module.named_parameters())
 

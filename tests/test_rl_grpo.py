@@ -120,6 +120,20 @@ def test_behaviour_logprobs_are_the_trainers_token_logprobs_of_the_same_bf16_wei
         assert (roll["logp"][~roll["mask"]] == 0).all()
 
 
+def test_pack_rollouts_aligns_vllm_completions_with_the_trainers_targets():
+    """vLLM returns (completion ids, log-probs) per prompt; the packed batch has the HF engine's layout: left-padded
+    prompts, each completion token's log-prob at the position that predicts it (target ids[:, 1:])."""
+    out = rl_grpo.pack_rollouts([[5, 6, 7], [8]], [([1, 10], [-0.5, -0.25]), ([2, 3, 10], [-1.0, -2.0, -3.0])], pad=0)
+    assert out["ids"].tolist() == [[5, 6, 7, 1, 10, 0], [0, 0, 8, 2, 3, 10]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert out["mask"].tolist() == [[False, False, True, True, False], [False, False, True, True, True]]
+    assert out["logp"].tolist() == [[0, 0, -0.5, -0.25, 0], [0, 0, -1.0, -2.0, -3.0]]
+    assert out["completions"] == [[1, 10], [2, 3, 10]]
+    assert out["ids"][out["mask"].nonzero()[:, 0], out["mask"].nonzero()[:, 1] + 1].tolist() == [1, 10, 2, 3, 10]
+    empty = rl_grpo.pack_rollouts([], [], pad=0)  # a rank with no held-out share
+    assert empty["completions"] == [] and empty["mask"].numel() == 0
+
+
 def test_check_synced_compares_buffers_too():
     model = _tiny_llama()
     engine, trainer = rl_grpo.RolloutEngine(model, eos=10, pad=0), _trainer_copy(model)
@@ -166,9 +180,11 @@ def _launch(script, tmp_path, *extra):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pair(tmp_path):
-    proc = _launch(os.path.join(ROOT, "scripts", "rl_grpo.py"), tmp_path)
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pair(tmp_path, engine):
+    proc = _launch(os.path.join(ROOT, "scripts", "rl_grpo.py"), tmp_path, "--engine", engine)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Rollout engine == trainer bf16 model, bit for bit, after every sync: True" in proc.stdout
     with open(tmp_path / "steps.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["arm"], r["step"]) for r in rows] == [(a, str(s)) for a in ARMS for s in (0, 1, 2)]
@@ -179,6 +195,11 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
         if r["step"] != "0":
             assert 0 <= float(r["reward"]) <= 1 and float(r["kl"]) >= 0 and 0 <= float(r["changed_pct"]) <= 100
     assert all(float(r["changed_pct"]) > 0 for r in rows if r["step"] == "1")
+    # the engine's sampling log-probs are the trainer's forward of the same bf16 weights up to kernel noise
+    # (vLLM: ~1e-3; an off-by-one position or a stale tied head gives 0.1-10)
+    assert all(0 <= float(r["engine_dlogp"]) < 0.02 for r in rows if r["step"] != "0")
+    if engine == "vllm":  # a full sync sends every element once and rewrites each into the engine once
+        assert {r["payload_bytes"] for r in rows if r["step"] != "0"} == {r["engine_bytes"] for r in rows if r["step"] != "0"} == {str(2 * 90432)}
     for name in ("summary.csv", "summary.md", "curves.png"):
         assert os.path.getsize(tmp_path / name) > 100
     with open(tmp_path / "summary.csv") as f:
@@ -200,7 +221,10 @@ def test_rl_loop_smoke_on_the_real_model(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "scripts", "rl_grpo.py"), "--model", "smollm2", "--pairs", "1", "--steps", "2",
            "--arms", "nearest,stochastic", "--prompts", "1", "--group", "2", "--max-new-tokens", "8",
-           "--eval-size", "2", "--eval-every", "1", "--out-dir", str(tmp_path)]
+           "--eval-size", "2", "--eval-every", "1", "--out-dir", str(tmp_path),
+           # two completions of one prompt often earn equal rewards (no gradient): weight decay moves the masters
+           # anyway (1e-6 of each weight per step, far below half a bf16 ulp: stochastic rounding serves some)
+           "--weight-decay", "1.0"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

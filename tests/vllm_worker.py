@@ -1,4 +1,5 @@
 """Served weights from a DeepSpeed trainer into a real vLLM engine through VllmReceiver (torchrun, 2 ranks).
+The README's "Serving the weights" snippets run here as written (ZeRO-2).
 
     torchrun --standalone --nproc_per_node 2 tests/vllm_worker.py OUT_JSON
 
@@ -28,6 +29,18 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**TINY))
+
+
+def readme_snippets() -> list[str]:
+    """The Python blocks of the README's "Serving the weights" section, as written there."""
+    import re
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        text = f.read()
+    section = text[text.index("### Serving the weights"):text.index("### Telemetry")]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+ENGINE_LINE = 'llm = vllm.LLM(model=hf_dir, dtype="bfloat16")'
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -61,16 +74,18 @@ def main(out_json: str) -> None:
     report = {"pushes": [], "errors": {}}
     seen = {"payload_bytes": 0, "engine_bytes": 0}
 
-    def check(where: str, engine, kind: str) -> None:
+    def check(where: str, engine, kind: str, recv=None) -> None:
+        """Rank 0: the engine's effective weights == served_weights(engine), bit for bit; recv.verify()."""
         served = {n: t.detach().to("cpu", copy=True) for n, t in served_weights(engine, bucket_bytes=4096)}
         if rank:
             return
-        engine_side = receiver.read()
+        recv = recv or receiver
+        engine_side = recv.read()
         wrong = [n for n, t in served.items() if not torch.equal(bits(engine_side[n]), bits(t))]
         if not torch.equal(bits(engine_side["lm_head.weight"]), bits(served["model.embed_tokens.weight"])):
             wrong.append("lm_head.weight (tied)")
-        receiver.verify()
-        moved = {k: receiver.totals[k] - seen[k] for k in seen}  # since the previous check
+        recv.verify()
+        moved = {k: recv.totals[k] - seen[k] for k in seen} if recv is receiver else {}  # since the previous check
         seen.update((k, receiver.totals[k]) for k in seen)
         report["pushes"].append(dict(where=where, kind=kind, wrong=wrong, served_tensors=len(served), **moved))
 
@@ -112,6 +127,18 @@ def main(out_json: str) -> None:
                     else:
                         receiver.apply(deltas)
                 check(where + f"/deltas step {step}" + (", one tensor a call" if step == 1 else ""), engine, "delta")
+            if (stage, method) == (2, "dithered"):  # the README's snippets, as written (ZeRO-2: rank 0 alone sends)
+                full, delta = readme_snippets()
+                assert ENGINE_LINE in full  # the engine is this test's own (test settings: no tokenizer, eager)
+                ns = {"llm": receiver.llm if rank == 0 else None, "engine": engine}
+                for step, code in enumerate([full.replace(ENGINE_LINE, ""), delta, delta.splitlines()[-1]]):
+                    if step == 2:  # one more training step, then the snippet's delta line again
+                        ids = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(9))
+                        engine.backward(engine(input_ids=ids, labels=ids).loss)
+                        engine.step()
+                    if rank == 0:
+                        exec(code, ns)
+                    check(where + f"/README snippet {step + 1}", engine, "readme", ns.get("receiver"))
             engine.destroy()
 
     if rank == 0:  # bad updates: each raises before anything is written
