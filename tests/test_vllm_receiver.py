@@ -41,6 +41,21 @@ def test_every_push_reads_back_as_the_served_weights(report):
 
 
 @pytest.mark.slow
+def test_deltas_take_the_sparse_path_where_the_engine_allows_and_whole_layers_otherwise(report):
+    pushes = report["pushes"]
+    sparse, whole = report["sparse_deltas"]
+    assert whole is False
+    for p in pushes:
+        if p["kind"] != "delta" or not p["payload_bytes"]:
+            continue
+        if p["where"].startswith("zero2") and sparse:  # only the changed elements move: their index and value
+            assert p["engine_bytes"] == p["payload_bytes"], p
+        else:  # every touched layer, whole
+            assert p["engine_bytes"] >= 2 * 4096 and p["engine_bytes"] % 2 == 0, p
+    assert report["nan_delta"] == [True, True]  # a NaN value lands (whole-layer way) and verify() passes
+
+
+@pytest.mark.slow
 def test_bad_updates_raise_naming_the_tensor_and_write_nothing(report):
     errors = report["errors"]
     expect = {

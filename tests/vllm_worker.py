@@ -56,6 +56,7 @@ def main(out_json: str) -> None:
     import deepspeed_hooks
     from deepspeed_hooks.served import served_deltas, served_weights
     from faircast_dist.delta import DeltaTracker
+    from faircast_dist.vllm_receiver import VllmReceiver
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -64,12 +65,11 @@ def main(out_json: str) -> None:
     receiver = None
     if rank == 0:
         from vllm import LLM
-
-        from faircast_dist.vllm_receiver import VllmReceiver
         tiny_llama().to(torch.bfloat16).save_pretrained(tmp)
         llm = LLM(model=tmp, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
                   seed=0)
         receiver = VllmReceiver(llm)
+        report_sparse = receiver.sparse_deltas
     dist.barrier()
     report = {"pushes": [], "errors": {}}
     seen = {"payload_bytes": 0, "engine_bytes": 0}
@@ -90,6 +90,9 @@ def main(out_json: str) -> None:
         report["pushes"].append(dict(where=where, kind=kind, wrong=wrong, served_tensors=len(served), **moved))
 
     for stage in (2, 3):
+        if stage == 3 and rank == 0:  # ZeRO-3's deltas go the other way: whole layers through the reload path
+            receiver = VllmReceiver(receiver.llm, sparse_deltas=False)
+            seen.update(payload_bytes=0, engine_bytes=0)
         for method in METHODS:
             cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -142,6 +145,7 @@ def main(out_json: str) -> None:
             engine.destroy()
 
     if rank == 0:  # bad updates: each raises before anything is written
+        report["sparse_deltas"] = [report_sparse, receiver.sparse_deltas]
         w = dict(receiver.weights)
         name = "model.layers.0.self_attn.k_proj.weight"
         good = ("model.layers.0.self_attn.q_proj.weight", torch.zeros_like(w["model.layers.0.self_attn.q_proj.weight"]))
@@ -164,6 +168,11 @@ def main(out_json: str) -> None:
                 report["errors"][what] = f"{type(err).__name__}: {err}"
             receiver.verify()  # nothing was written: the engine still serves the copy
         report["copy_unchanged"] = all(torch.equal(bits(receiver.weights[n]), bits(t)) for n, t in w.items())
+        # a NaN served value (Fair Cast keeps NaN a NaN): vLLM's sparse path reserves NaN, so it goes whole-layer
+        for recv in (VllmReceiver(receiver.llm), receiver):
+            recv.apply([(name, torch.tensor([5]), torch.tensor([float("nan")], dtype=torch.bfloat16))])
+            recv.verify()
+            report.setdefault("nan_delta", []).append(bool(recv.read([name])[name].reshape(-1)[5].isnan()))
         # a planted partial write: one shard of a fused layer, straight through the reload receiver.load avoids
         from faircast_dist.vllm_receiver import WeightMismatch, _push
         q = "model.layers.1.self_attn.q_proj.weight"
