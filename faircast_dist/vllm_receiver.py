@@ -6,13 +6,14 @@
     receiver.apply(served_deltas(engine, tracker))         # a delta update
     receiver.verify()                                      # the engine's effective weights == what was sent
 
-Why a receiver and not ``load_weights``: vLLM's CPU backend repacks every linear weight into its GEMM
-kernel's layout after loading and leaves the parameter empty (vLLM 0.32
-``model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``), so the model's ``load_weights``
-cannot write into it; the call that works is the worker's in-place reload
+Why a receiver and not ``load_weights``: on CPUs with AVX512-BF16 or AMX, vLLM's CPU backend repacks every
+linear weight into its GEMM kernel's layout after loading and leaves the parameter empty (vLLM 0.32
+``model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``; elsewhere it falls back to torch's GEMM
+on the live param), so the model's ``load_weights`` cannot write into it; the call that works everywhere is
+the worker's in-place reload
 (``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``,
 ``model_loader/reload/inplace.py``), which rebuilds each layer from the checkpoint-format tensors it
-is given and repacks it. That reload has three traps this class closes:
+is given and repacks it. That reload has traps this class closes:
 
 * **Fused layers.** vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into
   ``gate_up_proj`` (the model's ``packed_modules_mapping``). A layer that gets only some of its
@@ -22,6 +23,9 @@ is given and repacks it. That reload has three traps this class closes:
 * **Tied output head.** With ``tie_word_embeddings`` the CPU backend keeps a packed copy of the
   embedding for the LM head; it is repacked (``quant_method.process_weights_after_loading``) after
   every push that touches the embedding, or the head keeps serving the old one.
+* **Deltas.** Where the params are live (CUDA; the CPU fallback GEMM), a delta goes through vLLM's own sparse
+  patch path in place (:func:`_patch`), so only the changed elements move; otherwise the touched layers are
+  rebuilt whole, as for a full update.
 * **Prefix cache.** KV blocks cached for a prompt prefix were computed with the old weights: the cache
   is reset after every push (``LLM.reset_prefix_cache``), as RL stacks do after a weight update.
 
