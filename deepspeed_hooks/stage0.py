@@ -4,7 +4,7 @@ Every rank holds the full fp32 master and the full bf16 model, and DeepSpeed cop
 param (unfused) or each param's slice of a flat fp32 group (fused) into the bf16 param at the
 end of ``step`` (round to nearest; no communication follows). Fair Cast re-casts the same fp32
 values right after ``step`` returns (unless the step was skipped), keyed by whole-param global
-indices — so every replica computes the same bits with no communication (DESIGN.md invariant 2).
+indices — so every replica computes the same bits with no communication (docs/design.md invariant 2).
 """
 from __future__ import annotations
 

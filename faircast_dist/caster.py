@@ -3,7 +3,7 @@
 Class face (:class:`FairCaster`) for integrations and scripts; the functional casts live in
 :mod:`faircast_dist.rounding`. The bf16 bits of an element depend only on
 (seed, step, canonical parameter name, global element index, master value, residual) — never on
-the layout that holds it (DESIGN.md invariant 1).
+the layout that holds it (docs/design.md invariant 1).
 """
 from __future__ import annotations
 

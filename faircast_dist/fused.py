@@ -14,7 +14,7 @@ executable spec; the kernels here give the same bits, faster:
 small masters of an optimizer) pick one in one place. A buffer is described by a
 *segment table*: one row per param fragment it holds,
 ``(start in the buffer, numel, global index of the fragment's first element, k0, k1)``, so every
-fragment keeps its own Philox key and global element indices (DESIGN.md invariant 1). Keys are
+fragment keeps its own Philox key and global element indices (docs/design.md invariant 1). Keys are
 per row: any key derivation (per step, or without the step) runs on the same kernel. A strided
 TP block is several rows, one per contiguous run of global indices. Elements outside every
 segment (padding) are left untouched.

@@ -1,4 +1,4 @@
-"""Drift telemetry: how far the served bf16 weights are from the fp32 master (DESIGN.md).
+"""Drift telemetry: how far the served bf16 weights are from the fp32 master (docs/design.md).
 
 * ``changed_fraction[t]`` — fraction of served bf16 elements whose bits differ from step t-1.
 * ``lag_steps[t]``       — argmin over k in [0, K] of ||served_t - master_{t-k}||^2 on a fixed

@@ -2,7 +2,7 @@
 
 ``run(world_size, **options)`` spawns ``world_size`` ranks; rank 0 returns what it recorded.
 Every rank gets the same micro-batch and one thread, so stock ZeRO-1/2 is bitwise identical at
-DP=1 and DP=2 (DESIGN.md), and any difference comes from the export cast.
+DP=1 and DP=2 (docs/design.md), and any difference comes from the export cast.
 """
 from __future__ import annotations
 

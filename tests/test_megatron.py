@@ -1,7 +1,7 @@
 """Fair Cast in megatron-core: real gloo processes (2-4 ranks) on a tiny GPT (SwiGLU, tied
 embeddings), through the CPU shim in ``tests/megatron_shim.py``.
 
-Layouts are compared by what the export must be (DESIGN.md, "Testing the invariants"):
+Layouts are compared by what the export must be (docs/design.md, "Testing the invariants"):
 
 * one fixed master (+ residual) state, placed in each layout by Megatron's own checkpoint
   metadata and DistOpt ranges, must export bitwise the same full bf16 model everywhere;
