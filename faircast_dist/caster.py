@@ -1,7 +1,8 @@
 """The caster: one export-cast config, the export step, and error-feedback residuals.
 
-Class face (:class:`FairCaster`) for integrations and scripts; the functional casts live in
-:mod:`faircast_dist.rounding`. The bf16 bits of an element depend only on
+Class face (:class:`FairCaster`) for integrations and scripts; the functional casts are
+``faircast_dist.cast_stochastic`` / ``cast_error_feedback`` (fused, :mod:`faircast_dist.fused`),
+with the plain-torch spec in :mod:`faircast_dist.rounding`. The bf16 bits of an element depend only on
 (seed, step, canonical parameter name, global element index, master value, residual) — never on
 the layout that holds it (docs/design.md invariant 1).
 """
@@ -12,7 +13,7 @@ import torch
 from faircast_dist import fused
 from faircast_dist.config import RESIDUAL_DTYPES, ExportCastConfig
 from faircast_dist.philox import derive_dither_key, derive_key
-from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic
+from faircast_dist.rounding import cast_nearest
 
 
 class FairCaster:
@@ -61,8 +62,10 @@ class FairCaster:
         return torch.zeros(master.shape, dtype=RESIDUAL_DTYPES[self.config.residual_dtype], device=master.device)
 
     def cast(self, name: str, master: torch.Tensor, index: torch.Tensor | int = 0,
-             out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Cast one shard of parameter ``name`` at the current step.
+             out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+             backend: str = "auto") -> torch.Tensor:
+        """Cast one shard of parameter ``name`` at the current step (the fused kernels; bitwise the
+        reference casts of :mod:`faircast_dist.rounding`, NaN payloads aside).
 
         Args:
             name: canonical parameter name (the same on every rank and layout).
@@ -72,6 +75,7 @@ class FairCaster:
             out: optional bfloat16 tensor shaped like ``master``, written in place.
             residual: error feedback only: the shard's residual, updated in place. When None,
                 ``self.residuals[name]`` is used (created as zeros on first use).
+            backend: see :func:`faircast_dist.fused.resolve_backend` (``"reference"``: plain torch).
 
         Returns:
             bfloat16 tensor shaped like ``master`` (``out`` when given).
@@ -83,12 +87,12 @@ class FairCaster:
         if method == "nearest":
             return cast_nearest(master, out)
         if method in ("stochastic", "dithered"):
-            return cast_stochastic(master, self.key(name), index, out)
+            return fused.cast_stochastic(master, self.key(name), index, out, backend)
         if residual is None:
             residual = self.residuals.get(name)
             if residual is None:
                 residual = self.residuals[name] = self.new_residual(master)
-        return cast_error_feedback(master, residual, out)
+        return fused.cast_error_feedback(master, residual, out, backend)
 
     def cast_flat(self, master: torch.Tensor, out: torch.Tensor, fragments, residual: torch.Tensor | None = None,
                   backend: str = "auto") -> torch.Tensor:
