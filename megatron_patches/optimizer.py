@@ -10,7 +10,8 @@ then ``_copy_main_params_to_model_params`` writes each fp32 master into the bf16
   ``_copy_main_params_to_param_buffer`` (MXFP8 grad-buffer reuse) writes the same slices.
 * ``Float16OptimizerWithFloat16Params``: every rank writes its whole TP-local params.
 
-:func:`install` wraps those methods on the optimizer instance: every bf16 target the stock copy
+:func:`install` wraps those methods on the optimizer instance (the list is :func:`_wrap`;
+:func:`uninstall` undoes it): every bf16 target the stock copy
 writes gets the Fair Cast of the same master slice (one fused multi-tensor call for all master
 shards, see :func:`faircast_dist.fused.cast_tensors`), keyed by the param's canonical name and
 global element indices (:mod:`megatron_patches.layout`). The Float16 optimizer's stock copy is
@@ -44,6 +45,7 @@ import torch
 from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.copy_hook import ReplaceCopies
 from faircast_dist.telemetry import DriftSample, ExportTimer, sample_stride
+from faircast_dist.wraps import Wraps
 from megatron_patches import compat
 from megatron_patches.layout import ParamLayout, describe_model, model_entries
 
@@ -92,29 +94,12 @@ class MegatronExport:
     # -- where the masters are ------------------------------------------------------------------
     def shards(self):
         """This rank's bf16 master shards, in optimizer order (a fresh list of :class:`_Shard`)."""
-        opt, out = self.optimizer, []
-        if self.distributed:
-            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
-        else:
-            groups = zip(opt.float16_groups, opt.fp32_from_float16_groups)
-        for model_group, main_group in groups:
-            for model_param, main in zip(model_group, main_group):
-                if self.distributed:
-                    r = opt._get_model_param_range_map(model_param)["param"]
-                    start, end = r.start, r.end
-                else:
-                    start, end = 0, model_param.numel()
-                out.append(_Shard(model_param, main, start, end, self.layouts[id(model_param)]))
-        return out
+        return [_Shard(p, main, start, end, self.layouts[id(p)])
+                for p, main, start, end in compat.master_shards(self.optimizer)]
 
     def _target(self, shard: _Shard) -> torch.Tensor:
         """The bf16 tensor the stock copy wrote for ``shard`` (flat view)."""
-        opt = self.optimizer
-        if not self.distributed:
-            return shard.model_param.data.view(-1)
-        world = opt._get_model_param_range_map(shard.model_param)["gbuf_world_in_bucket"]
-        gbuf_index, _, bucket_id = opt.model_param_gbuf_map[shard.model_param]
-        return opt.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start:world.end]
+        return compat.stock_copy_target(self.optimizer, shard.model_param)
 
     # -- the export -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -189,13 +174,53 @@ class MegatronExport:
         for r in self.residuals.values():
             r.zero_()
 
+    # -- the wraps (listed by _wrap, each ``original -> replacement``) ----------------------------
+    def wrap_copy_skipping_stock(self, copy):
+        """DistributedOptimizer's copy: run it without its bf16 copies, then :meth:`export`."""
+        @functools.wraps(copy)
+        def copy_then_cast(*args, **kwargs):
+            with self.skip_stock_copies():
+                result = copy(*args, **kwargs)
+            self.export()
+            return result
+        return copy_then_cast
+
+    def wrap_sharded_state_dict(self, sharded_state_dict):
+        """``sharded_state_dict``: add this optimizer's export-cast entry (:meth:`sharded_state`)."""
+        @functools.wraps(sharded_state_dict)
+        def fair_sharded_state_dict(model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+            self._internal_load = True  # DistOpt calls load_state_dict(state_dict()) in here
+            try:
+                if model_sharded_state_dict is None:
+                    state = sharded_state_dict(is_loading=is_loading, *args, **kwargs)
+                else:
+                    state = sharded_state_dict(model_sharded_state_dict, is_loading, *args, **kwargs)
+            finally:
+                self._internal_load = False
+            state[STATE_KEY] = self.sharded_state(model_sharded_state_dict, is_loading)
+            return state
+        return fair_sharded_state_dict
+
+    def wrap_load_state_dict(self, load_state_dict):
+        """``load_state_dict``: take the export-cast entry out, load the rest, then :meth:`load` it."""
+        @functools.wraps(load_state_dict)
+        def fair_load_state_dict(state_dict):
+            saved = None
+            if isinstance(state_dict, dict) and STATE_KEY in state_dict:
+                saved = state_dict[STATE_KEY]
+                state_dict = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+            result = load_state_dict(state_dict)
+            self.load(saved)
+            return result
+        return fair_load_state_dict
+
     # -- checkpoints ----------------------------------------------------------------------------
     def _all_params(self):
         """(model param, layout) for every bf16 param this optimizer handles on any DP rank."""
         if not self.distributed:
             return [(s.model_param, s.layout) for s in self.shards()]
-        return [(p, self.layouts[id(p)]) for buffer in self.optimizer.buffers
-                for p in buffer.param_index_map if id(p) in self.layouts and p.dtype == torch.bfloat16]
+        return [(p, self.layouts[id(p)]) for p in compat.bucket_params(self.optimizer)
+                if id(p) in self.layouts and p.dtype == torch.bfloat16]
 
     def _full_residual(self, param, shards_by_param) -> torch.Tensor:
         """The TP-local param's whole residual (collective over the DP group for DistOpt)."""
@@ -207,7 +232,7 @@ class MegatronExport:
         if shard is not None:
             bits[shard.start:shard.end] = _to_bits(self.residuals[id(param)])
         # disjoint ranges, zeros elsewhere: an integer sum is an exact gather
-        torch.distributed.all_reduce(bits, group=self.optimizer.data_parallel_group)
+        torch.distributed.all_reduce(bits, group=compat.data_parallel_group(self.optimizer))
         return _from_bits(bits, dtype).view(param.shape)
 
     def sharded_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
@@ -340,13 +365,13 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
     """
     if not config.enabled:
         return []
-    leaves = [o for o in compat.sub_optimizers(optimizer) if not getattr(o, "is_stub_optimizer", False)]
+    leaves = [o for o in compat.sub_optimizers(optimizer) if not compat.is_stub(o)]
     for leaf in leaves:
         check_config(leaf.config)
         if not isinstance(leaf, (compat.DistributedOptimizer, compat.Float16OptimizerWithFloat16Params)):
             raise NotImplementedError(f"--export-cast fair supports DistributedOptimizer and "
                                       f"Float16OptimizerWithFloat16Params, not {type(leaf).__name__}")
-        if getattr(getattr(leaf, "ddp_config", None), "use_megatron_fsdp", False):
+        if compat.uses_megatron_fsdp(leaf):
             raise NotImplementedError("--export-cast fair does not support Megatron FSDP (--use-megatron-fsdp)")
     layouts = describe_model(model_chunks)
     exports = []
@@ -378,61 +403,37 @@ def _start_telemetry(exports: list[MegatronExport], sample: int, max_lag: int) -
 
 
 def _wrap(leaf, export: MegatronExport) -> None:
-    """Wrap the leaf optimizer's copy, reload and checkpoint methods (on the instance)."""
-
-    def after(method_name, then):
-        original = getattr(leaf, method_name)
-
-        @functools.wraps(original)
-        def wrapped(*args, **kwargs):
-            result = original(*args, **kwargs)
-            then()
-            return result
-        setattr(leaf, method_name, wrapped)
-
+    """Every point Fair Cast wraps on a leaf optimizer, in one list (undone by :func:`uninstall`);
+    the private names are in :mod:`megatron_patches.compat`."""
+    wraps = export.wraps = Wraps()
     if export.distributed:
         # the stock copy also writes the fp32 params' shards (and quantizes FP8 ones) in the same
         # loop: it runs, without its bf16 copies (ReplaceCopies), then Fair Cast writes those
-        copy = leaf._copy_main_params_to_model_params
-
-        @functools.wraps(copy)
-        def copy_then_cast(*args, **kwargs):
-            with export.skip_stock_copies():
-                result = copy(*args, **kwargs)
-            export.export()
-            return result
-        leaf._copy_main_params_to_model_params = copy_then_cast
+        wraps.wrap(leaf, compat.COPY_TO_MODEL, export.wrap_copy_skipping_stock)
     else:
         # the stock copy writes exactly the bf16 params Fair Cast writes: replaced, not repeated
-        leaf._copy_main_params_to_model_params = export.export
-    if hasattr(leaf, "_copy_main_params_to_param_buffer"):
-        after("_copy_main_params_to_param_buffer", export.export)
-    after("_copy_model_params_to_main_params", export.reset_residuals)
+        wraps.set(leaf, compat.COPY_TO_MODEL, export.export)
+    if hasattr(leaf, compat.COPY_TO_PARAM_BUFFER):
+        wraps.wrap(leaf, compat.COPY_TO_PARAM_BUFFER, functools.partial(_then, export.export))
+    wraps.wrap(leaf, compat.COPY_TO_MAIN, functools.partial(_then, export.reset_residuals))
+    wraps.wrap(leaf, "sharded_state_dict", export.wrap_sharded_state_dict)
+    wraps.wrap(leaf, "load_state_dict", export.wrap_load_state_dict)
+    wraps.set(leaf, "export_cast", export)
 
-    sharded_state_dict, load_state_dict = leaf.sharded_state_dict, leaf.load_state_dict
 
-    @functools.wraps(sharded_state_dict)
-    def fair_sharded_state_dict(model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
-        export._internal_load = True  # DistOpt calls load_state_dict(state_dict()) in here
-        try:
-            if model_sharded_state_dict is None:
-                state = sharded_state_dict(is_loading=is_loading, *args, **kwargs)
-            else:
-                state = sharded_state_dict(model_sharded_state_dict, is_loading, *args, **kwargs)
-        finally:
-            export._internal_load = False
-        state[STATE_KEY] = export.sharded_state(model_sharded_state_dict, is_loading)
-        return state
-
-    @functools.wraps(load_state_dict)
-    def fair_load_state_dict(state_dict):
-        saved = None
-        if isinstance(state_dict, dict) and STATE_KEY in state_dict:
-            saved = state_dict[STATE_KEY]
-            state_dict = {k: v for k, v in state_dict.items() if k != STATE_KEY}
-        result = load_state_dict(state_dict)
-        export.load(saved)
+def _then(then, original):
+    """``original``, then ``then()`` (the result is ``original``'s)."""
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        then()
         return result
+    return wrapped
 
-    leaf.sharded_state_dict, leaf.load_state_dict = fair_sharded_state_dict, fair_load_state_dict
-    leaf.export_cast = export
+
+def uninstall(optimizer) -> None:
+    """Undo :func:`install` on every leaf of ``optimizer``: the stock methods again (the bf16 model
+    keeps what was served). No-op on a leaf without Fair Cast."""
+    for leaf in compat.sub_optimizers(optimizer):
+        while "export_cast" in vars(leaf):  # installed twice (e.g. activate(), then install()): all of them
+            leaf.export_cast.wraps.uninstall()

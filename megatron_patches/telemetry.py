@@ -24,6 +24,7 @@ import functools
 import inspect
 import warnings
 
+from faircast_dist.wraps import Wraps
 from megatron_patches import compat
 
 NAMES = {"changed_fraction": "export-cast/changed-fraction", "lag_steps": "export-cast/lag-steps",
@@ -68,7 +69,7 @@ def logging_on(args) -> bool:
                 and (getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)))
 
 
-def wrap_training_log(training, optimizers: list) -> None:
+def wrap_training_log(training, optimizers: list, wraps=None) -> None:
     """Make Megatron-LM's ``training.training_log`` also write the drift of ``optimizers[-1]``.
 
     ``train()`` calls ``training_log`` on every rank after every iteration; at iterations that are
@@ -78,7 +79,8 @@ def wrap_training_log(training, optimizers: list) -> None:
 
     Args:
         training: the module ``megatron.training.training``.
-        optimizers: a list the caller appends each optimizer it builds to (read at log time).
+        optimizers: a list holding the optimizer to report (read at log time; empty: nothing).
+        wraps: the :class:`~faircast_dist.wraps.Wraps` that records the wrap (to undo it), if any.
     """
     original = training.training_log
     if getattr(original, "_faircast", False):
@@ -100,4 +102,4 @@ def wrap_training_log(training, optimizers: list) -> None:
                 write_drift(metrics, iteration, global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer())
         return result
     training_log._faircast = True
-    training.training_log = training_log
+    (wraps or Wraps()).set(training, "training_log", training_log)
