@@ -26,7 +26,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-from megatron_patches.compat import ShardedTensor, ShardedTensorFactory, sub_optimizers
+from megatron_patches import compat
+from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 
 __all__ = ["gather_full", "local_masters", "shards", "is_main_replica"]
 
@@ -174,28 +175,24 @@ def local_masters(optimizer, residuals: bool = False) -> dict:
         ValueError: ``residuals`` for a leaf without error-feedback residuals.
     """
     result = {}
-    for leaf in sub_optimizers(optimizer):
-        distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
-        if not distributed and not hasattr(leaf, "fp32_from_float16_groups"):
+    for leaf in compat.sub_optimizers(optimizer):
+        distributed = isinstance(leaf, compat.DistributedOptimizer)
+        if not distributed and not isinstance(leaf, compat.Float16OptimizerWithFloat16Params):
             raise TypeError(f"{type(leaf).__name__} has no fp32 masters of 16-bit params")
         if residuals and not getattr(getattr(leaf, "export_cast", None), "residuals", None):
             raise ValueError(f"{type(leaf).__name__} has no Fair Cast error-feedback residuals")
-        groups = (zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups) if distributed
-                  else zip(leaf.float16_groups, leaf.fp32_from_float16_groups))
         owned = {}
-        for model_group, main_group in groups:
-            for p, main in zip(model_group, main_group):
-                value = leaf.export_cast.residuals[id(p)] if residuals else main
-                owned[id(p)] = (value.detach().float(),
-                                leaf._get_model_param_range_map(p)["param"] if distributed else None)
+        for p, main, start, end in compat.master_shards(leaf):
+            value = leaf.export_cast.residuals[id(p)] if residuals else main
+            owned[id(p)] = (value.detach().float(), start, end)
         if not distributed:
-            result.update({k: v for k, (v, _) in owned.items()})
+            result.update({k: v for k, (v, _, _) in owned.items()})
             continue
-        for p in (p for b in leaf.buffers for p in b.param_index_map):
+        for p in compat.bucket_params(leaf):
             bits = torch.zeros(p.numel(), dtype=torch.int32, device=p.device)
             if id(p) in owned:
-                value, r = owned[id(p)]
-                bits[r.start:r.end] = value.view(torch.int32)
-            torch.distributed.all_reduce(bits, group=leaf.data_parallel_group)
+                value, start, end = owned[id(p)]
+                bits[start:end] = value.view(torch.int32)
+            torch.distributed.all_reduce(bits, group=compat.data_parallel_group(leaf))
             result[id(p)] = bits.view(torch.float32).view(p.shape)
     return result
