@@ -44,7 +44,7 @@ import torch
 
 from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.copy_hook import ReplaceCopies
-from faircast_dist.telemetry import DriftSample, ExportTimer, sample_stride
+from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
 from faircast_dist.wraps import Wraps
 from megatron_patches import compat
 from megatron_patches.layout import ParamLayout, describe_model, model_entries
@@ -87,9 +87,8 @@ class MegatronExport:
             self.residuals = {id(s.model_param): caster.new_residual(s.main) for s in self.shards()}
         self._internal_load = False
         self._runs = {}  # (id(model param), start, end) -> fused-cast segments of that shard
-        self.drift: DriftSample | None = None  # set by install(telemetry=True)
+        self.telemetry: ExportObserver = ExportObserver()  # a DriftObserver with install(telemetry=True)
         self._counted = {}  # shard key -> counts(shard)
-        self.timer = ExportTimer()
 
     # -- where the masters are ------------------------------------------------------------------
     def shards(self):
@@ -110,10 +109,8 @@ class MegatronExport:
         stock copy): each shard's segments are the runs of consecutive global indices (one for a
         contiguous range, one per row of a TP block split on a later dim).
         """
-        masters, outs, residuals, fragments, pieces = [], [], [], [], []
+        masters, outs, residuals, fragments = [], [], [], []
         shards = self.shards()
-        if self.drift is not None and shards:
-            self.timer.start(shards[0].main.device)
         for k, shard in enumerate(shards):
             masters.append(shard.main.detach().view(-1))
             outs.append(self._target(shard))
@@ -121,21 +118,24 @@ class MegatronExport:
                 raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {outs[-1].dtype}, not bfloat16")
             residual = self.residuals.get(id(shard.model_param))
             residuals.append(None if residual is None else residual.view(-1))
-            runs = self._shard_runs(shard)
-            fragments += [(k, *run) for run in runs]
-            key = (id(shard.model_param), shard.start, shard.end)
-            if self.drift is not None and key not in self._counted:
-                self._counted[key] = self.counts(shard)  # once per shard, not every step
-            if self.drift is not None and self._counted[key]:
-                pieces.append((key, masters[-1], outs[-1], runs))
-        if self.drift is not None and self.drift.previous is None:  # the first export (of this run or since a resume)
-            self.drift.prime(pieces, device=self.device())
+            fragments += [(k, *run) for run in self._shard_runs(shard)]
+
+        def pieces():  # what the telemetry counts: each element once over all ranks
+            return [((id(s.model_param), s.start, s.end), m, o, self._shard_runs(s))
+                    for s, m, o in zip(shards, masters, outs) if self._counts(s)]
+        self.telemetry.begin(pieces)
         if masters:  # a DP rank may own no bf16 range
-            self.caster.cast_tensors(masters, outs, fragments, residuals if self.residuals else None)
+            with self.telemetry.span(masters[0].device):
+                self.caster.cast_tensors(masters, outs, fragments, residuals if self.residuals else None)
         self.caster.advance()
-        if self.drift is not None:
-            self.timer.stop()
-            self.drift.observe(pieces, device=self.device())
+        self.telemetry.end(pieces)
+
+    def _counts(self, shard: _Shard) -> bool:
+        """:meth:`counts`, decided once per shard (not every step)."""
+        key = (id(shard.model_param), shard.start, shard.end)
+        if key not in self._counted:
+            self._counted[key] = self.counts(shard)
+        return self._counted[key]
 
     def counts(self, shard: _Shard) -> bool:
         """Whether this rank counts ``shard`` in the drift telemetry: each element once over all
@@ -273,8 +273,7 @@ class MegatronExport:
                                STATE_KEY)
             return
         self.caster.step = int(state["step"])
-        if self.drift is not None:  # the served model is replaced: the next export primes again
-            self.drift.reset()
+        self.telemetry.reset()  # the served model is replaced: the next export primes again
         if self.caster.method != "error_feedback":
             return
         saved = state.get("residual") or {}
@@ -349,7 +348,7 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
         config: the export-cast config; with mode ``nearest`` nothing is changed (stock).
         model_chunks: the list of (DDP-wrapped) model chunks the optimizer was built for.
         telemetry: measure drift at every export (a :class:`~faircast_dist.telemetry.DriftSample`
-            per leaf, read with :func:`megatron_patches.telemetry.drift_metrics`); then this call
+            observer per leaf, read with :func:`megatron_patches.telemetry.drift_metrics`); then this call
             is collective over the default process group (one all-reduce of the model size).
         sample: about how many elements of the whole model the telemetry watches.
         max_lag: K, past master samples kept for ``lag_steps``.
@@ -391,7 +390,7 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
 
 
 def _start_telemetry(exports: list[MegatronExport], sample: int, max_lag: int) -> None:
-    """Give every export a DriftSample with a stride from the whole model's size (collective)."""
+    """Give every export a DriftObserver with a stride from the whole model's size (collective)."""
     counted = sum(s.end - s.start for e in exports for s in e.shards() if e.counts(s))
     device = exports[0].device() if exports else torch.device("cpu")
     total = torch.tensor([counted], dtype=torch.int64, device=device)
@@ -399,7 +398,7 @@ def _start_telemetry(exports: list[MegatronExport], sample: int, max_lag: int) -
         torch.distributed.all_reduce(total)
     stride = sample_stride(int(total.item()), sample)
     for export in exports:
-        export.drift = DriftSample(stride, max_lag)
+        export.telemetry = DriftObserver(stride, max_lag, device=export.device())
 
 
 def _wrap(leaf, export: MegatronExport) -> None:

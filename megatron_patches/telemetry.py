@@ -44,12 +44,12 @@ def drift_metrics(optimizer) -> dict[str, float] | None:
         "export-cast/gap-ulps": ulps, "export-cast/export-ms": ms}``; None when telemetry is off
         or nothing was exported yet (the same on every rank).
     """
-    from faircast_dist.telemetry import reduce_drift
-    exports = [leaf.export_cast for leaf in compat.sub_optimizers(optimizer)
-               if getattr(getattr(leaf, "export_cast", None), "drift", None) is not None]
-    if not exports or exports[0].drift.last is None:
+    from faircast_dist.telemetry import DriftObserver, reduce_drift
+    observers = [o for o in (getattr(getattr(leaf, "export_cast", None), "telemetry", None)
+                             for leaf in compat.sub_optimizers(optimizer)) if isinstance(o, DriftObserver)]
+    if not observers or observers[0].sample.last is None:
         return None
-    values = reduce_drift([e.drift for e in exports], sum(e.timer.ms() for e in exports))
+    values = reduce_drift([o.sample for o in observers], sum(o.timer.ms() for o in observers))
     return {NAMES[k]: v for k, v in values.items()}
 
 

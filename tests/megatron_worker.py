@@ -319,7 +319,8 @@ def _run_job(tp, pp, job: dict) -> dict:
     prev = record["start"] = record.get("loaded") or snapshot(model, optimizer, ef)
     first = job.get("first", 0)
     record["drift"] = []
-    record["drift_on"] = [e.drift is not None for e in exports(optimizer)]
+    from faircast_dist.telemetry import DriftObserver
+    record["drift_on"] = [isinstance(e.telemetry, DriftObserver) for e in exports(optimizer)]
     for k in range(job.get("steps", 0)):
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
         with CopyProbe(optimizer) as probe:
