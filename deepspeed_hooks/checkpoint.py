@@ -29,8 +29,6 @@ BF16_Optimizer, ZeRO-3) gives each element its own residual and served value bac
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import math
 import os
 import re
@@ -234,24 +232,6 @@ def refuse_unsupported_load(engine, universal: bool, optimizer_states: bool) -> 
             f"or the original checkpoint with the flag")
 
 
-@contextlib.contextmanager
-def zero3_fp32_reads_tag(tag: str | None):
-    """Make ZeRO-3's ``load_checkpoint(..., load_optimizer_states=False)`` read ``tag``.
-
-    DeepSpeed 0.19.8 (``engine._load_checkpoint``) rebuilds the module there with
-    ``get_fp32_state_dict_from_zero_checkpoint(load_dir)``, which reads the tag in ``latest``
-    whatever tag was asked for.
-    """
-    from deepspeed.runtime import engine as ds_engine
-    original = ds_engine.get_fp32_state_dict_from_zero_checkpoint
-    if tag is not None:
-        ds_engine.get_fp32_state_dict_from_zero_checkpoint = functools.partial(original, tag=tag)
-    try:
-        yield
-    finally:
-        ds_engine.get_fp32_state_dict_from_zero_checkpoint = original
-
-
 def _universal_served(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
     files = {n: os.path.join(folder, "zero", n, f"{SERVED_KEY}.pt") for n in names}
     missing = sorted(n for n, f in files.items() if not os.path.exists(f))
@@ -272,7 +252,7 @@ def write_served(engine, served: dict[str, torch.Tensor]) -> None:
     Raises:
         KeyError: a param the optimizer trains has no value in ``served`` (names it).
     """
-    from deepspeed import comm as dist
+    from deepspeed_hooks import compat
     params = list(engine.module.named_parameters())
     missing = sorted(n for n, p in params if p.requires_grad and n not in served)
     if missing:
@@ -285,9 +265,7 @@ def write_served(engine, served: dict[str, torch.Tensor]) -> None:
             continue  # a frozen param saved with exclude_frozen_parameters: DeepSpeed's own value stays
         value = served[name].reshape(-1)
         if zero3:
-            pn = p.ds_tensor.ds_numel
-            start = dist.get_rank(group=p.ds_process_group) * pn
-            numel = max(0, min(pn, p.ds_numel - start))
+            start, numel, _ = compat.zero3_partition(p, compat.zero3_rank(p))
             p.ds_tensor.narrow(0, 0, numel).copy_(value.narrow(0, start, numel))
         else:
             p.data.view(-1).copy_(value)

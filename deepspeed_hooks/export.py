@@ -87,6 +87,46 @@ class OptimizerExport:
         """A context manager entered around the wrapped ``step`` (none by default)."""
         return contextlib.nullcontext()
 
+    # ---- the wraps (listed by deepspeed_hooks.install, each ``original -> replacement``)
+    #: True when the export runs after ``step`` returns (stage 0); False when it runs inside
+    #: ``step`` (a copy, gather or reassign hook), which then only marks it
+    step_exports = False
+
+    def wrap_step(self, step):
+        """``optimizer.step``: export (or let the hooks inside export), then :meth:`finish`."""
+        @functools.wraps(step)
+        def fair_step(*args, **kwargs):
+            if self.drift is not None and self.drift.drift.previous is None:  # first step (of the run or since a resume)
+                self.drift.prime(self)  # the served model this step replaces
+            self.in_step = True
+            try:
+                with self.step_context():
+                    result = step(*args, **kwargs)
+            finally:
+                self.in_step = False
+            if self.step_exports and not getattr(self.optimizer, "overflow", False):
+                self.export()
+            self.finish()
+            return result
+        return fair_step
+
+    def wrap_state_dict(self, state_dict):
+        """``optimizer.state_dict``: put the served bf16 values into the state first."""
+        @functools.wraps(state_dict)
+        def fair_state_dict(*args, **kwargs):
+            self.snapshot_served()
+            return state_dict(*args, **kwargs)
+        return fair_state_dict
+
+    def wrap_load_state_dict(self, load_state_dict):
+        """``optimizer.load_state_dict``: then adopt the loaded cast state (:meth:`after_load`)."""
+        @functools.wraps(load_state_dict)
+        def fair_load_state_dict(*args, **kwargs):
+            result = load_state_dict(*args, **kwargs)
+            self.after_load(kwargs.get("checkpoint_folder"))
+            return result
+        return fair_load_state_dict
+
     # ---- shared machinery
     def state(self, hp: torch.Tensor) -> dict:
         return self.optimizer.optimizer.state[hp]
@@ -321,43 +361,3 @@ def load_full(export: OptimizerExport, values: dict[str, torch.Tensor], key: str
             if f.name not in values:
                 raise KeyError(f"load_full: no value for param {f.name!r}")
             target.narrow(0, f.start, f.numel).copy_(values[f.name].reshape(-1).narrow(0, f.index, f.numel))
-
-
-def wrap_methods(optimizer, export: OptimizerExport, step_exports: bool) -> None:
-    """Wrap ``optimizer.step`` / ``state_dict`` / ``load_state_dict`` on the instance.
-
-    Args:
-        step_exports: True when the adapter exports after ``step`` returns (stage 0); False
-            when it exports from inside ``step`` (a gather or reassign hook), then only marks it.
-    """
-    step, state_dict, load_state_dict = optimizer.step, optimizer.state_dict, optimizer.load_state_dict
-
-    @functools.wraps(step)
-    def fair_step(*args, **kwargs):
-        if export.drift is not None and export.drift.drift.previous is None:  # first step (of the run or since a resume)
-            export.drift.prime(export)  # the served model this step replaces
-        export.in_step = True
-        try:
-            with export.step_context():
-                result = step(*args, **kwargs)
-        finally:
-            export.in_step = False
-        if step_exports and not getattr(optimizer, "overflow", False):
-            export.export()
-        export.finish()
-        return result
-
-    @functools.wraps(state_dict)
-    def fair_state_dict(*args, **kwargs):
-        export.snapshot_served()
-        return state_dict(*args, **kwargs)
-
-    @functools.wraps(load_state_dict)
-    def fair_load_state_dict(*args, **kwargs):
-        result = load_state_dict(*args, **kwargs)
-        export.after_load(kwargs.get("checkpoint_folder"))
-        return result
-
-    optimizer.step, optimizer.state_dict, optimizer.load_state_dict = fair_step, fair_state_dict, fair_load_state_dict
-    optimizer.export_caster = export.caster
-    optimizer.fair_export = export

@@ -44,3 +44,15 @@ def block_index(global_shape: Sequence[int], offsets: Sequence[int], local_shape
         index = index + (coord * stride).view(-1, *([1] * (len(global_shape) - 1 - d)))
         stride *= global_shape[d]
     return index.expand(*local_shape).contiguous() if len(local_shape) else index
+
+
+def partition_range(numel: int, part: int, rank: int) -> tuple[int, int]:
+    """The elements of a flattened param that rank ``rank`` holds when the param is cut into
+    consecutive parts of ``part`` elements, one per rank (ZeRO-3: ``part = ceil(numel / world)``).
+
+    Returns:
+        ``(start, count)``: global indices ``[start, start + count)``; ``count`` is smaller than
+        ``part`` (0 past the end) where the last parts are padding.
+    """
+    start = rank * part
+    return start, max(0, min(part, numel - start))
