@@ -83,7 +83,7 @@ def install(engine) -> FairCaster | None:
     wraps.wrap(engine, "load_checkpoint", functools.partial(_load_serves_what_was_served, engine))
     if engine.monitor.enabled:
         from deepspeed_hooks.monitor import DriftMonitor
-        export.drift = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names))
+        export.telemetry = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names))
         wraps.wrap(engine, "step", functools.partial(_step_reports_drift, engine, export))
     logger.info(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) "
                 f"on {type(optimizer).__name__}")
@@ -167,9 +167,7 @@ def _load_serves_what_was_served(engine, load):
         if path is not None:
             meta = client_state.pop(checkpoint.CLIENT_KEY, None)
             checkpoint.finish_load(engine, os.path.join(flags["load_dir"], tag), meta, optimizer_states, universal)
-            drift = getattr(getattr(engine.optimizer, "fair_export", None), "drift", None)
-            if drift is not None:  # the served model was replaced: the next step primes again
-                drift.drift.reset()
+            engine.optimizer.fair_export.telemetry.reset()  # the served model was replaced: the next step primes again
         return path, client_state
     return load_checkpoint
 
@@ -180,7 +178,7 @@ def _step_reports_drift(engine, export, step):
     @functools.wraps(step)
     def step_and_report(*args, **kwargs):
         result = step(*args, **kwargs)
-        export.drift.write(engine.monitor, engine.global_samples)  # only after an optimizer step
+        export.telemetry.write(engine.monitor, engine.global_samples)  # only after an optimizer step
         return result
     return step_and_report
 

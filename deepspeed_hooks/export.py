@@ -29,6 +29,7 @@ from deepspeed.utils import logger
 
 from faircast_dist import FairCaster
 from faircast_dist.config import RESIDUAL_DTYPES
+from faircast_dist.telemetry import ExportObserver
 
 STEP_KEY = "export_cast_step"
 RESIDUAL_KEY = "export_cast_residual"
@@ -71,7 +72,7 @@ class OptimizerExport:
         self.optimizer, self.caster, self.param_names = optimizer, caster, param_names
         self.in_step = False
         self.exported = False
-        self.drift = None  # a DriftMonitor when DeepSpeed's monitor is enabled
+        self.telemetry: ExportObserver = ExportObserver()  # a DriftMonitor when DeepSpeed's monitor is enabled
         self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish()
 
     # ---- what an adapter provides
@@ -96,8 +97,7 @@ class OptimizerExport:
         """``optimizer.step``: export (or let the hooks inside export), then :meth:`finish`."""
         @functools.wraps(step)
         def fair_step(*args, **kwargs):
-            if self.drift is not None and self.drift.drift.previous is None:  # first step (of the run or since a resume)
-                self.drift.prime(self)  # the served model this step replaces
+            self.telemetry.begin(self.pieces)  # before the step writes anything served
             self.in_step = True
             try:
                 with self.step_context():
@@ -139,29 +139,45 @@ class OptimizerExport:
         """Cast group ``i``'s fp32 tensor into its bf16 destinations (this rank's shard only)."""
         self._cast(*self.group(i))
 
+    @staticmethod
+    def buffers(key, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> list[tuple]:
+        """How a group is cast: ``(key, start, fp32 1-D master, bf16 1-D served, rows)`` per call,
+        ``start`` being the master's offset in ``hp`` and ``rows`` ``(name, start in the master,
+        numel, index)`` per fragment. One call for the whole group when its bf16 targets lie in one buffer laid out
+        like ``hp`` (ZeRO partitions, ZeRO-3 sub-groups; ``out``: such a buffer to write instead),
+        else one per fragment (stage 0: bf16 params in separate tensors), keyed ``(key, j)``."""
+        flat = hp.view(-1)
+        out = _flat_out(fragments) if out is None else out
+        if out is not None:
+            return [(key, 0, flat, out, [(f.name, f.start, f.numel, f.index) for f in fragments])]
+        return [((key, j), f.start, flat.narrow(0, f.start, f.numel), f.out.view(-1), [(f.name, 0, f.numel, f.index)])
+                for j, f in enumerate(fragments)]
+
+    def pieces(self) -> list[tuple]:
+        """The served buffers this rank counts in the drift telemetry (every rank's own partitions;
+        stage 0, where every rank casts the whole model, on rank 0 only), as
+        :meth:`faircast_dist.telemetry.DriftSample.observe` takes them."""
+        if self.replicated and dist.get_rank() != 0:
+            return []
+        return [(key, master, served, rows) for i, (hp, fragments) in enumerate(self.groups())
+                for key, _, master, served, rows in self.buffers(i, hp, fragments)]
+
     @torch.no_grad()
     def _cast(self, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> None:
         """Cast one group; ``out``: a bf16 1-D buffer laid out like ``hp`` to write instead of the
         fragments' own targets (ZeRO-1/2: the buffer DeepSpeed's copy was about to fill)."""
-        if self.drift is not None:  # one span per group (ZeRO steps each group just before its cast)
-            self.drift.timer.start(hp.device, new=not self.exported)
-        flat, state = hp.view(-1), self.state(hp)
-        state.pop(SERVED_KEY, None)
-        residual = None
-        if self.caster.method == "error_feedback":
-            residual = state.get(RESIDUAL_KEY)
-            if residual is None:
-                residual = state[RESIDUAL_KEY] = self.caster.new_residual(flat)
-        residual = None if residual is None else residual.view(-1)
-        out = _flat_out(fragments) if out is None else out
-        if out is not None:  # one fused call for the whole group (ZeRO partitions, ZeRO-3 sub-groups)
-            self.caster.cast_flat(flat, out, [(f.name, f.start, f.numel, f.index) for f in fragments], residual)
-        else:  # bf16 params in separate tensors (stage 0 fused groups): one call per param
-            for f in fragments:
-                self.caster.cast_flat(flat.narrow(0, f.start, f.numel), f.out, [(f.name, 0, f.numel, f.index)],
-                                      None if residual is None else residual.narrow(0, f.start, f.numel))
-        if self.drift is not None:
-            self.drift.timer.stop()
+        with self.telemetry.span(hp.device):  # one span per group (ZeRO steps each group just before its cast)
+            state = self.state(hp)
+            state.pop(SERVED_KEY, None)
+            residual = None
+            if self.caster.method == "error_feedback":
+                residual = state.get(RESIDUAL_KEY)
+                if residual is None:
+                    residual = state[RESIDUAL_KEY] = self.caster.new_residual(hp.view(-1))
+                residual = residual.view(-1)
+            for _, start, master, served, rows in self.buffers(None, hp, fragments, out):
+                self.caster.cast_flat(master, served, rows,
+                                      None if residual is None else residual.narrow(0, start, master.numel()))
         self.exported = True
         self._cast_now.add(id(hp))
 
@@ -174,8 +190,7 @@ class OptimizerExport:
         self.caster.advance()
         for hp, _ in self.groups():
             self.state(hp)[STEP_KEY] = self.caster.step
-        if self.drift is not None:
-            self.drift.update(self)
+        self.telemetry.end(self.pieces)
 
     def export(self) -> None:
         """Export every group not cast yet in this step, then :meth:`finish`."""

@@ -139,7 +139,7 @@ def _worker(rank, world_size, port, opts, out_path):
     export = getattr(engine.optimizer, "fair_export", None)
     if opts["monitor_sample"]:  # watch a smaller sample than the default (the tiny model is smaller)
         from deepspeed_hooks.monitor import DriftMonitor
-        export.drift = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names),
+        export.telemetry = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names),
                                     sample=opts["monitor_sample"])
     first = 0
     if opts["load_dir"]:
