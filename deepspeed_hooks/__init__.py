@@ -21,6 +21,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from faircast_dist import ExportCastConfig, FairCaster
+from faircast_dist.config import ConfigError
 from faircast_dist.wraps import Wraps
 
 CONFIG_KEY = "export_cast"
@@ -34,8 +35,10 @@ def parse_config(ds_config: dict) -> ExportCastConfig:
     """
     try:
         return ExportCastConfig.from_value(ds_config.get(CONFIG_KEY))
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"DeepSpeed config: {err}") from None
+    except ConfigError as err:
+        raise ConfigError(f"DeepSpeed config: {err}", err.field) from None
+    except TypeError as err:
+        raise TypeError(f"DeepSpeed config: {err}") from None
 
 
 def install(engine) -> FairCaster | None:

@@ -170,7 +170,7 @@ class OptimizerExport:
             state = self.state(hp)
             state.pop(SERVED_KEY, None)
             residual = None
-            if self.caster.method == "error_feedback":
+            if self.caster.method.needs_residual:
                 residual = state.get(RESIDUAL_KEY)
                 if residual is None:
                     residual = state[RESIDUAL_KEY] = self.caster.new_residual(hp.view(-1))
@@ -253,7 +253,7 @@ class OptimizerExport:
         (step,) = steps
         if step is None:
             logger.warning("export cast: the checkpoint has no export-cast state (written without Fair Cast?): "
-                           "export step starts at 0" + (", residuals at zero" if self.caster.method == "error_feedback" else ""))
+                           "export step starts at 0" + (", residuals at zero" if self.caster.method.needs_residual else ""))
         self.caster.step = int(step or 0)
         dtype = RESIDUAL_DTYPES[self.caster.config.residual_dtype]
         for hp, fragments in groups:
@@ -263,7 +263,7 @@ class OptimizerExport:
                 names = sorted({f.name for f in fragments})
                 raise ValueError(f"export cast: saved {RESIDUAL_KEY} has {residual.numel()} elements but the "
                                  f"partition holding {names} has {hp.numel()} (saved under another layout?)")
-            if self.caster.method == "error_feedback":
+            if self.caster.method.needs_residual:
                 if residual is None and step is not None:
                     logger.warning("export cast: switching to error_feedback: residuals start at zero")
                 elif residual is not None:

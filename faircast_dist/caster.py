@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from faircast_dist import fused
-from faircast_dist.config import RESIDUAL_DTYPES, ExportCastConfig
+from faircast_dist.config import RESIDUAL_DTYPES, ExportCastConfig, Method
 from faircast_dist.philox import derive_dither_key, derive_key
 from faircast_dist.rounding import cast_nearest
 
@@ -36,8 +36,8 @@ class FairCaster:
         self.residuals: dict[str, torch.Tensor] = {}
 
     @property
-    def method(self) -> str:
-        """``"nearest"``, ``"stochastic"``, ``"error_feedback"`` or ``"dithered"``."""
+    def method(self) -> Method:
+        """What the cast does (a :class:`~faircast_dist.config.Method`, equal to its config string)."""
         return self.config.effective_method
 
     def key(self, name: str) -> tuple[int, int]:
@@ -51,9 +51,9 @@ class FairCaster:
         Raises:
             ValueError: when the method draws no random bits (nearest, error feedback).
         """
-        if self.method == "stochastic":
+        if self.method is Method.STOCHASTIC:
             return derive_key(self.config.seed, self.step, name)
-        if self.method == "dithered":
+        if self.method is Method.DITHERED:
             return derive_dither_key(self.config.seed, name)
         raise ValueError(f"export cast method {self.method!r} draws no random bits: it has no Philox key")
 
@@ -84,9 +84,9 @@ class FairCaster:
             TypeError / ValueError: on wrong dtypes or shapes (see :mod:`faircast_dist.rounding`).
         """
         method = self.method
-        if method == "nearest":
+        if method is Method.NEAREST:
             return cast_nearest(master, out)
-        if method in ("stochastic", "dithered"):
+        if method.keyed:
             return fused.cast_stochastic(master, self.key(name), index, out, backend)
         if residual is None:
             residual = self.residuals.get(name)
@@ -142,13 +142,13 @@ class FairCaster:
         """
         rows = list(fragments)
         method = self.method
-        if method == "nearest":
+        if method is Method.NEAREST:
             for k, _, start, numel, _ in rows:
                 cast_nearest(masters[k].narrow(0, start, numel), outs[k].narrow(0, start, numel))
             return outs
-        if method == "error_feedback" and residuals is None:
+        if method.needs_residual and residuals is None:
             raise ValueError("FairCaster.cast_flat: error feedback needs the buffer's residual")
-        keyed = method != "error_feedback"  # every keyed method is stochastic rounding in the kernel
+        keyed = method.keyed  # every keyed method is stochastic rounding in the kernel
         keys = {name: self.key(name) if keyed else (0, 0) for _, name, _, _, _ in rows}
         table = [(k, start, numel, index, *keys[name]) for k, name, start, numel, index in rows]
         targets = [o if o.device == m.device else torch.empty(m.shape, dtype=torch.bfloat16, device=m.device)
@@ -181,6 +181,6 @@ class FairCaster:
         """
         self.step = int(state["step"])
         saved = ExportCastConfig.from_value(state.get("config"))
-        same = saved.effective_method == self.method == "error_feedback"
+        same = saved.effective_method is self.method is Method.ERROR_FEEDBACK
         dtype = RESIDUAL_DTYPES[self.config.residual_dtype]
         self.residuals = {k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()} if same else {}

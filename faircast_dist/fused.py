@@ -39,7 +39,7 @@ import torch
 
 from faircast_dist import rounding
 
-METHODS = ("stochastic", "error_feedback")
+KERNELS = ("stochastic", "error_feedback")  # the kernels (dithered rounding is the stochastic one, other keys)
 BACKENDS = ("auto", "cpu", "triton", "reference")
 BACKEND_ENV = "FAIRCAST_FUSED_BACKEND"  # overrides "auto" (e.g. "reference" to rule the kernels out)
 _CPU = {}  # "module": the built extension, or None after a failed build
@@ -89,8 +89,8 @@ def index_runs(index: torch.Tensor, start: int = 0) -> torch.Tensor:
 
 def _check(method, masters, outs, table, residuals, single):
     """Validate the buffers and rows of :func:`cast_tensors` (``single``: name them as cast_flat does)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in KERNELS:
+        raise ValueError(f"method must be one of {KERNELS}, got {method!r}")
     if residuals is None and method == "error_feedback":
         raise ValueError("error_feedback needs a residual")
     lists = [("master", masters, (torch.float32,)), ("out", outs, (torch.bfloat16,))]

@@ -83,7 +83,7 @@ class MegatronExport:
         self.distributed = isinstance(optimizer, compat.DistributedOptimizer)
         self.layouts = layouts
         self.residuals = {}
-        if caster.method == "error_feedback":
+        if caster.method.needs_residual:
             self.residuals = {id(s.model_param): caster.new_residual(s.main) for s in self.shards()}
         self._internal_load = False
         self._runs = {}  # (id(model param), start, end) -> fused-cast segments of that shard
@@ -237,8 +237,8 @@ class MegatronExport:
 
     def sharded_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
         """This optimizer's export-cast entry for its ``sharded_state_dict`` (see module doc)."""
-        state = {"step": self.caster.step, "method": self.caster.method}
-        if self.caster.method != "error_feedback":
+        state = {"step": self.caster.step, "method": self.caster.method.value}  # a plain str in the checkpoint
+        if not self.caster.method.needs_residual:
             return state
         entries = model_entries(self.model_chunks, model_sharded_state_dict or None)
         shards = {id(s.model_param): s for s in self.shards()}
@@ -274,7 +274,7 @@ class MegatronExport:
             return
         self.caster.step = int(state["step"])
         self.telemetry.reset()  # the served model is replaced: the next export primes again
-        if self.caster.method != "error_feedback":
+        if not self.caster.method.needs_residual:
             return
         saved = state.get("residual") or {}
         if state.get("method") != "error_feedback" or not saved:

@@ -154,7 +154,7 @@ def test_nan_stays_nan_with_sign_and_inf_saturation(backend):
     x = special_values()
     key = derive_key(0, 0, "edge")
     out, res = torch.empty(x.shape, dtype=torch.bfloat16), torch.zeros(x.shape)
-    for method in fused.METHODS:
+    for method in fused.KERNELS:
         fused.cast_flat(method, x, out, [(0, x.numel(), 3, *key)], res, backend=backend)
         nan = torch.isnan(x)
         assert torch.isnan(out[nan]).all() and torch.isfinite(out[torch.isfinite(x)]).all()
