@@ -39,9 +39,8 @@ import sys
 import torch
 from deepspeed.utils import logger
 
-from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY
+from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY, UNIVERSAL_STATE_FILE
 
-UNIVERSAL_STATE_FILE = "export_cast.pt"
 CLIENT_KEY = "export_cast"  # in each model-states file (save_checkpoint's client_state): {"step": int}
 
 
@@ -178,18 +177,6 @@ def to_universal(tag_dir: str, out_dir: str) -> None:
     root, name = os.path.split(out_dir.rstrip(os.sep))
     with open(os.path.join(root, "latest_universal"), "w") as f:  # DeepSpeed's converter named the .partial
         f.write(name)
-
-
-def read_universal(folder: str, names: list[str]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """The Fair Cast state of a universal checkpoint: ``(meta, {key: {name: full tensor}})``."""
-    zero = os.path.join(folder, "zero")
-    meta = torch.load(os.path.join(zero, UNIVERSAL_STATE_FILE), weights_only=False)
-    values = {}
-    for key in (RESIDUAL_KEY, SERVED_KEY):
-        files = {n: os.path.join(zero, n, f"{key}.pt") for n in names}
-        if all(os.path.exists(f) for f in files.values()):
-            values[key] = {n: torch.load(f, weights_only=False)["param"] for n, f in files.items()}
-    return meta, values
 
 
 def resolve_tag(load_dir: str, tag: str | None, universal: bool) -> str | None:

@@ -35,6 +35,8 @@ STEP_KEY = "export_cast_step"
 RESIDUAL_KEY = "export_cast_residual"
 SERVED_KEY = "export_cast_served"
 STATE_KEYS = (STEP_KEY, RESIDUAL_KEY, SERVED_KEY)
+#: a universal checkpoint's Fair Cast metadata, ``zero/export_cast.pt`` (written by :mod:`deepspeed_hooks.checkpoint`)
+UNIVERSAL_STATE_FILE = "export_cast.pt"
 
 
 @dataclasses.dataclass
@@ -277,7 +279,6 @@ class OptimizerExport:
                 state[SERVED_KEY] = state[SERVED_KEY].to(torch.bfloat16)
 
     def _load_universal(self, folder: str) -> None:
-        from deepspeed_hooks.checkpoint import UNIVERSAL_STATE_FILE, read_universal
         if not os.path.exists(os.path.join(folder, "zero", UNIVERSAL_STATE_FILE)):
             return  # converted without Fair Cast state: after_load's rules for a plain checkpoint apply
         names = sorted({f.name for _, fragments in self.groups() for f in fragments})
@@ -347,6 +348,18 @@ def _flat_out(fragments: list[Fragment]) -> torch.Tensor | None:
                 or f.out.storage_offset() - f.start != base or f.out.dtype != f0.out.dtype):
             return None
     return f0.out.as_strided((end,), (1,), base)
+
+
+def read_universal(folder: str, names: list[str]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """The Fair Cast state of a universal checkpoint: ``(meta, {key: {name: full tensor}})``."""
+    zero = os.path.join(folder, "zero")
+    meta = torch.load(os.path.join(zero, UNIVERSAL_STATE_FILE), weights_only=False)
+    values = {}
+    for key in (RESIDUAL_KEY, SERVED_KEY):
+        files = {n: os.path.join(zero, n, f"{key}.pt") for n in names}
+        if all(os.path.exists(f) for f in files.values()):
+            values[key] = {n: torch.load(f, weights_only=False)["param"] for n, f in files.items()}
+    return meta, values
 
 
 @torch.no_grad()
