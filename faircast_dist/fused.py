@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from faircast_dist import rounding
+from faircast_dist.shards import index_runs  # noqa: F401  (also fused.index_runs: strided blocks -> segment rows)
 
 KERNELS = ("stochastic", "error_feedback")  # the kernels (dithered rounding is the stochastic one, other keys)
 BACKENDS = ("auto", "cpu", "triton", "reference")
@@ -64,27 +65,6 @@ def segment_table(rows: Sequence[Sequence[int]] | torch.Tensor, columns: int = 5
         head = "(start, numel, index, k0, k1)" if columns == 5 else "(tensor, start, numel, index, k0, k1)"
         raise ValueError(f"segment table must be [S, {columns}] {head}, got shape {tuple(table.shape)}")
     return table
-
-
-def index_runs(index: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Rows ``(start, numel, index)`` of the runs of consecutive global indices in ``index``.
-
-    A strided TP block (e.g. a row-parallel shard, from :func:`faircast_dist.shards.block_index`)
-    is one row per contiguous run; append the key columns to get segment rows.
-
-    Args:
-        index: global element indices of consecutive buffer elements (any shape, read flat).
-        start: buffer position of ``index``'s first element.
-
-    Returns:
-        int64 CPU tensor ``[R, 3]``.
-    """
-    flat = index.reshape(-1).to(device="cpu", dtype=torch.int64)
-    if flat.numel() == 0:
-        return torch.zeros(0, 3, dtype=torch.int64, device="cpu")
-    first = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), (flat[1:] != flat[:-1] + 1).nonzero().view(-1) + 1])
-    numel = torch.diff(first, append=torch.tensor([flat.numel()], device="cpu"))
-    return torch.stack([first + start, numel, flat[first]], dim=1)
 
 
 def _check(method, masters, outs, table, residuals, single):

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 
+from faircast_dist.shards import from_bits, to_bits
 from megatron_patches import compat
 from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 
@@ -94,11 +95,6 @@ def shards(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor],
             yield name, tuple(slice(o, o + n) for o, n in zip(offset, shape)), sh
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """int32 holding ``t``'s bit pattern (16-bit floats sign-extended from int16)."""
-    return t.view(torch.int16).to(torch.int32) if t.element_size() == 2 else t.view(torch.int32)
-
-
 def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], dst: Optional[int] = 0,
                 group=None, stacked: bool = False) -> Optional[dict]:
     """Full tensors ``{name: tensor}`` from each rank's TP-local tensors (collective).
@@ -134,7 +130,7 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
         meta[name] = (tuple(full.shape), sh.data.dtype)
         device = sh.data.device if device is None else device
         if is_main_replica(sh.replica_id):
-            full[index] = _bits(sh.data).view(full[index].shape).cpu()
+            full[index] = to_bits(sh.data).view(full[index].shape).cpu()
     everyone = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(everyone, meta, group=group)
     known = {k: v for d in everyone for k, v in d.items()}
@@ -155,7 +151,7 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
     for name in names:
         shape, dtype = known[name]
         part = flat[start:start + math.prod(shape)].view(shape)
-        out[name] = part.to(torch.int16).view(dtype) if dtype != torch.float32 else part.view(torch.float32)
+        out[name] = from_bits(part, dtype)
         start += part.numel()
     return out
 

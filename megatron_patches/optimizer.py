@@ -44,6 +44,7 @@ import torch
 
 from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.copy_hook import ReplaceCopies
+from faircast_dist.shards import from_bits, to_bits
 from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
 from faircast_dist.wraps import Wraps
 from megatron_patches import compat
@@ -230,10 +231,10 @@ class MegatronExport:
         dtype = compat_residual_dtype(self.caster)
         bits = torch.zeros(param.numel(), dtype=torch.int32, device=param.device)  # the DP group's device
         if shard is not None:
-            bits[shard.start:shard.end] = _to_bits(self.residuals[id(param)])
+            bits[shard.start:shard.end] = to_bits(self.residuals[id(param)].view(-1))
         # disjoint ranges, zeros elsewhere: an integer sum is an exact gather
         torch.distributed.all_reduce(bits, group=compat.data_parallel_group(self.optimizer))
-        return _from_bits(bits, dtype).view(param.shape)
+        return from_bits(bits, dtype).view(param.shape)
 
     def sharded_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
         """This optimizer's export-cast entry for its ``sharded_state_dict`` (see module doc)."""
@@ -297,18 +298,6 @@ class MegatronExport:
 def compat_residual_dtype(caster: FairCaster) -> torch.dtype:
     from faircast_dist.config import RESIDUAL_DTYPES
     return RESIDUAL_DTYPES[caster.config.residual_dtype]
-
-
-def _to_bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.float32:
-        return t.view(-1).view(torch.int32)
-    return t.view(-1).view(torch.int16).to(torch.int32) & 0xFFFF
-
-
-def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.float32:
-        return bits.view(torch.float32)
-    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype)
 
 
 def check_config(config, where: str = "OptimizerConfig") -> None:
