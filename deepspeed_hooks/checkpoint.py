@@ -40,6 +40,7 @@ import torch
 from deepspeed.utils import logger
 
 from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY, UNIVERSAL_STATE_FILE
+from faircast_dist.shards import partition_range
 
 CLIENT_KEY = "export_cast"  # in each model-states file (save_checkpoint's client_state): {"step": int}
 
@@ -89,7 +90,8 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
         for name, parts in pieces.items():
             out[name] = torch.cat(parts).view(shapes[name]).clone()
         return out, meta
-    # ZeRO-3: each param cut into ceil(numel / world) per rank, params back to back per sub-group
+    # ZeRO-3: each param cut into ceil(numel / world) per rank (shards.partition_range), params back
+    # to back per sub-group
     shapes = _load(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))["param_shapes"]
     states = [sd["optimizer_state_dict"]["state"] for sd in sds]
     meta["step"] = states[0][0].get(STEP_KEY)
@@ -100,7 +102,8 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
         for name, shape in group.items():
             numel = math.prod(shape)
             pn = math.ceil(numel / len(states))
-            out[name] = torch.cat([st[g][key].view(-1)[offset:offset + pn] for st in states])[:numel].view(shape).clone()
+            parts = [st[g][key].view(-1).narrow(0, offset, partition_range(numel, pn, r)[1]) for r, st in enumerate(states)]
+            out[name] = torch.cat(parts).view(shape).clone()
             offset += pn
     return out, meta
 

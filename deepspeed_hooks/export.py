@@ -28,6 +28,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from faircast_dist import FairCaster
+from faircast_dist.caster import adopt_residuals
 from faircast_dist.config import RESIDUAL_DTYPES
 from faircast_dist.telemetry import ExportObserver
 
@@ -237,10 +238,9 @@ class OptimizerExport:
                 (written by :mod:`deepspeed_hooks.checkpoint`) are read into this rank's groups,
                 each element's residual and served value following the element.
 
-        Rules: the export step continues from the checkpoint (0 when it has none). Residuals are
-        kept when the method is error feedback and reused exactly; switching *to* error feedback
-        from a checkpoint without residuals starts them at zero (a warning says so); switching
-        away from error feedback drops them (a warning says so).
+        Rules: the export step continues from the checkpoint (0 when it has none); residuals follow
+        :func:`faircast_dist.caster.adopt_residuals` (kept exactly with error feedback, zero when
+        switching to it, dropped when switching away; a warning for the last two).
 
         Raises:
             ValueError: groups disagree on the step, or a residual does not match its group's
@@ -265,15 +265,12 @@ class OptimizerExport:
                 names = sorted({f.name for f in fragments})
                 raise ValueError(f"export cast: saved {RESIDUAL_KEY} has {residual.numel()} elements but the "
                                  f"partition holding {names} has {hp.numel()} (saved under another layout?)")
-            if self.caster.method.needs_residual:
-                if residual is None and step is not None:
-                    logger.warning("export cast: switching to error_feedback: residuals start at zero")
-                elif residual is not None:
-                    # torch's Optimizer.load_state_dict casts float state to the param dtype: undo it.
-                    state[RESIDUAL_KEY] = residual.to(dtype).view(hp.shape)
-            elif residual is not None:
-                logger.warning(f"export cast: the checkpoint has error-feedback residuals but the method is now "
-                               f"{self.caster.method}: dropping them")
+            action, warning = adopt_residuals(self.caster.method, residual is not None)
+            if warning is not None and step is not None:  # without any Fair Cast state: warned above
+                logger.warning(f"export cast: {warning}")
+            if action == "keep":  # torch's Optimizer.load_state_dict casts float state to the param dtype: undo it
+                state[RESIDUAL_KEY] = residual.to(dtype).view(hp.shape)
+            elif action == "drop":
                 del state[RESIDUAL_KEY]
             if state.get(SERVED_KEY) is not None:
                 state[SERVED_KEY] = state[SERVED_KEY].to(torch.bfloat16)

@@ -16,6 +16,27 @@ from faircast_dist.philox import derive_dither_key, derive_key
 from faircast_dist.rounding import cast_nearest
 
 
+def adopt_residuals(method: Method, saved: bool) -> tuple[str, str | None]:
+    """The one rule for a checkpoint's error-feedback residuals (:meth:`FairCaster.load_state_dict`
+    and both integrations' loads).
+
+    Args:
+        method: the method now.
+        saved: the checkpoint holds residuals (it was written with error feedback).
+
+    Returns:
+        ``(action, warning)``: ``"keep"`` (reuse them exactly), ``"zero"`` (error feedback now,
+        none saved: start from zero residuals), ``"drop"`` (saved, another method now) or
+        ``"none"``; ``warning`` is the message to log for ``"zero"`` and ``"drop"``, else None.
+    """
+    if method.needs_residual:
+        return ("keep", None) if saved else ("zero", "switching to error_feedback: the checkpoint has no "
+                                             "residuals, they start at zero")
+    if saved:
+        return "drop", f"the checkpoint has error-feedback residuals but the method is now {method}: dropping them"
+    return "none", None
+
+
 class FairCaster:
     """Casts fp32 master shards to bf16 with the configured method.
 
@@ -181,6 +202,7 @@ class FairCaster:
         """
         self.step = int(state["step"])
         saved = ExportCastConfig.from_value(state.get("config"))
-        same = saved.effective_method is self.method is Method.ERROR_FEEDBACK
+        action, _ = adopt_residuals(self.method, saved.effective_method.needs_residual)
         dtype = RESIDUAL_DTYPES[self.config.residual_dtype]
-        self.residuals = {k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()} if same else {}
+        self.residuals = ({k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()}
+                          if action == "keep" else {})

@@ -43,6 +43,7 @@ from dataclasses import replace
 import torch
 
 from faircast_dist import ExportCastConfig, FairCaster
+from faircast_dist.caster import adopt_residuals
 from faircast_dist.copy_hook import ReplaceCopies
 from faircast_dist.shards import from_bits, to_bits
 from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
@@ -275,13 +276,13 @@ class MegatronExport:
             return
         self.caster.step = int(state["step"])
         self.telemetry.reset()  # the served model is replaced: the next export primes again
-        if not self.caster.method.needs_residual:
-            return
         saved = state.get("residual") or {}
-        if state.get("method") != "error_feedback" or not saved:
-            logger.warning("Fair Cast: checkpoint has no error-feedback residuals (method %r); "
-                           "starting from zero residuals", state.get("method"))
+        action, warning = adopt_residuals(self.caster.method, state.get("method") == "error_feedback" and bool(saved))
+        if warning is not None:
+            logger.warning("Fair Cast: %s (checkpoint method %r)", warning, state.get("method"))
+        if action == "zero":
             self.reset_residuals()
+        if action != "keep":
             return
         for shard in self.shards():
             full = saved.get(shard.layout.name)
