@@ -76,7 +76,7 @@ class FairCaster:
             return derive_key(self.config.seed, self.step, name)
         if self.method is Method.DITHERED:
             return derive_dither_key(self.config.seed, name)
-        raise ValueError(f"export cast method {self.method!r} draws no random bits: it has no Philox key")
+        raise ValueError(f"export cast method {self.method.value!r} draws no random bits: it has no Philox key")
 
     def new_residual(self, master: torch.Tensor) -> torch.Tensor:
         """A zero residual for ``master`` (same shape and device, the configured dtype)."""
