@@ -8,7 +8,8 @@ Enable it in the DeepSpeed config::
 
 and either call :func:`initialize` instead of ``deepspeed.initialize`` (same arguments, same
 return values), or call :func:`patch_deepspeed` once before a launch script's own
-``deepspeed.initialize(...)``.
+``deepspeed.initialize(...)``. :func:`install` lists every point Fair Cast wraps;
+:func:`uninstall` restores them.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from faircast_dist import ExportCastConfig, FairCaster
+from faircast_dist.config import ConfigError
+from faircast_dist.wraps import Wraps
 
 CONFIG_KEY = "export_cast"
 
@@ -32,12 +35,17 @@ def parse_config(ds_config: dict) -> ExportCastConfig:
     """
     try:
         return ExportCastConfig.from_value(ds_config.get(CONFIG_KEY))
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"DeepSpeed config: {err}") from None
+    except ConfigError as err:
+        raise ConfigError(f"DeepSpeed config: {err}", err.field) from None
+    except TypeError as err:
+        raise TypeError(f"DeepSpeed config: {err}") from None
 
 
 def install(engine) -> FairCaster | None:
     """Install Fair Cast on an initialized DeepSpeed engine, as its config asks.
+
+    Every point Fair Cast changes in DeepSpeed is wrapped here, in one list (the private names
+    they reach are in :mod:`deepspeed_hooks.compat`); :func:`uninstall` puts the originals back.
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` whose config may hold ``"export_cast"``.
@@ -57,37 +65,45 @@ def install(engine) -> FairCaster | None:
     if engine.fp16_enabled() or not engine.bfloat16_enabled():
         raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}": mode "fair" needs "bf16": {{"enabled": true}} '
                          f'(fp16 enabled: {engine.fp16_enabled()}, bf16 enabled: {engine.bfloat16_enabled()})')
-    caster = FairCaster(config)
-    export = _adapter(engine.optimizer).attach(engine.optimizer, caster, engine.param_names)
-    _commit_after_all_ranks(engine)
-    _load_serves_what_was_served(engine)
+    from deepspeed_hooks import compat, stage0, stage3, zero12
+    caster, optimizer = FairCaster(config), engine.optimizer
+    path = compat.wrapper_path(optimizer)
+    export = {"zero12": zero12, "stage0": stage0, "zero3": stage3}[path].attach(optimizer, caster, engine.param_names)
+    wraps = export.wraps = Wraps()
+    wraps.wrap(optimizer, "step", export.wrap_step)
+    wraps.wrap(optimizer, "state_dict", export.wrap_state_dict)
+    wraps.wrap(optimizer, "load_state_dict", export.wrap_load_state_dict)
+    if path == "zero12":  # the stock copy has no seam: see compat; its all-gather is module-global
+        export.register()
+        wraps.on_uninstall(export.unregister)
+        wraps.wrap_shared(compat.gather_module(optimizer), compat.GATHER, zero12.wrap_gather)
+    if path == "zero3":
+        wraps.wrap(optimizer, compat.ZERO3_REASSIGN, export.wrap_reassign)
+        wraps.wrap(optimizer, "load_state_dict", export.wrap_load_restores_served)
+    wraps.set(optimizer, "export_caster", caster)
+    wraps.set(optimizer, "fair_export", export)
+    wraps.wrap(engine, "save_checkpoint", functools.partial(_save_commits_after_all_ranks, engine))
+    wraps.wrap(engine, "load_checkpoint", functools.partial(_load_serves_what_was_served, engine))
     if engine.monitor.enabled:
-        _report_drift(engine, export)
+        from deepspeed_hooks.monitor import DriftMonitor
+        export.telemetry = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names))
+        wraps.wrap(engine, "step", functools.partial(_step_reports_drift, engine, export))
     logger.info(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) "
-                f"on {type(engine.optimizer).__name__}")
+                f"on {type(optimizer).__name__}")
     return caster
 
 
-def _adapter(optimizer):
-    """The module that handles this optimizer wrapper (one per DeepSpeed bf16 path)."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from deepspeed_hooks import stage0, stage3, zero12
-    for types, module in [((DeepSpeedZeroOptimizer, BF16_Optimizer), zero12),
-                          ((FP16_UnfusedOptimizer, FP16_Optimizer), stage0),
-                          ((DeepSpeedZeroOptimizer_Stage3,), stage3)]:
-        if isinstance(optimizer, types):
-            return module
-    raise NotImplementedError(f'"{CONFIG_KEY}" mode "fair" does not support the optimizer wrapper '
-                              f"{type(optimizer).__name__}")
+def uninstall(engine) -> None:
+    """Undo :func:`install` on ``engine``: every wrapped method and function is the original again
+    (stock DeepSpeed from the next call on; the bf16 model keeps what was served). No-op when Fair
+    Cast is not installed."""
+    export = getattr(engine.optimizer, "fair_export", None)
+    if export is not None:
+        export.wraps.uninstall()
 
 
-def _commit_after_all_ranks(engine) -> None:
-    """Make ``save_checkpoint`` point ``latest`` at a tag only once every rank has written it.
+def _save_commits_after_all_ranks(engine, save):
+    """``engine.save_checkpoint``: point ``latest`` at a tag only once every rank has written it.
 
     DeepSpeed 0.19 lets rank 0 write ``latest`` as soon as its own files are written, so a rank
     killed mid-save can leave ``latest`` naming a half-written checkpoint. Here every rank saves
@@ -101,16 +117,20 @@ def _commit_after_all_ranks(engine) -> None:
     Raises:
         ValueError: ``client_state`` has the key ``"export_cast"`` (Fair Cast's own).
     """
+    from deepspeed_hooks import compat
     from deepspeed_hooks.checkpoint import CLIENT_KEY
-    save = engine.save_checkpoint
 
     @functools.wraps(save)
-    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006 (DeepSpeed's signature)
+    def save_checkpoint(*args, **kwargs):
+        bound = compat.bind(save, *args, **kwargs)
+        save_dir, client_state = bound.arguments["save_dir"], bound.arguments["client_state"]
         if CLIENT_KEY in client_state:
             raise ValueError(f'save_checkpoint: client_state key "{CLIENT_KEY}" is reserved for Fair Cast\'s state')
-        tag = tag if tag is not None else f"global_step{engine.global_steps}"
-        client_state = {**client_state, CLIENT_KEY: {"step": engine.optimizer.export_caster.step}}
-        result = save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
+        tag = bound.arguments["tag"]
+        tag = bound.arguments["tag"] = tag if tag is not None else f"global_step{engine.global_steps}"
+        bound.arguments["client_state"] = {**client_state, CLIENT_KEY: {"step": engine.optimizer.export_caster.step}}
+        save_latest, bound.arguments["save_latest"] = bound.arguments["save_latest"], False
+        result = save(*bound.args, **bound.kwargs)
         dist.barrier()
         if save_latest and dist.get_rank() == 0:
             tmp = os.path.join(save_dir, "latest.tmp")
@@ -119,13 +139,12 @@ def _commit_after_all_ranks(engine) -> None:
             os.replace(tmp, os.path.join(save_dir, "latest"))
         dist.barrier()
         return result
+    return save_checkpoint
 
-    engine.save_checkpoint = save_checkpoint
 
-
-def _load_serves_what_was_served(engine) -> None:
-    """Make ``load_checkpoint`` give back the served bf16 model, the export step, the residuals and
-    the per-group hyperparameters of the checkpoint, whatever the load flags (or refuse).
+def _load_serves_what_was_served(engine, load):
+    """``engine.load_checkpoint``: give back the served bf16 model, the export step, the residuals
+    and the per-group hyperparameters of the checkpoint, whatever the load flags (or refuse).
 
     Same signature and return value as DeepSpeed's. The tag is resolved once (``latest`` /
     ``latest_universal``), so every file read is of that tag; then
@@ -136,46 +155,35 @@ def _load_serves_what_was_served(engine) -> None:
         NotImplementedError: a combination that cannot serve what was served (see
             :func:`deepspeed_hooks.checkpoint.refuse_unsupported_load`).
     """
-    from deepspeed_hooks import checkpoint
-    load = engine.load_checkpoint
+    from deepspeed_hooks import checkpoint, compat
 
     @functools.wraps(load)
-    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+    def load_checkpoint(*args, **kwargs):
+        bound = compat.bind(load, *args, **kwargs)
+        flags = bound.arguments
         universal = bool(engine.load_universal_checkpoint())
-        optimizer_states = load_optimizer_states and not load_module_only  # what DeepSpeed loads the optimizer for
+        optimizer_states = flags["load_optimizer_states"] and not flags["load_module_only"]  # what DeepSpeed loads the optimizer for
         checkpoint.refuse_unsupported_load(engine, universal, optimizer_states)
-        tag = checkpoint.resolve_tag(load_dir, tag, universal)
-        with checkpoint.zero3_fp32_reads_tag(tag):
-            path, client_state = load(load_dir, tag=tag, load_module_strict=load_module_strict,
-                                      load_optimizer_states=load_optimizer_states,
-                                      load_lr_scheduler_states=load_lr_scheduler_states,
-                                      load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        tag = flags["tag"] = checkpoint.resolve_tag(flags["load_dir"], flags["tag"], universal)
+        with compat.zero3_fp32_reads_tag(tag):
+            path, client_state = load(*bound.args, **bound.kwargs)
         if path is not None:
             meta = client_state.pop(checkpoint.CLIENT_KEY, None)
-            checkpoint.finish_load(engine, os.path.join(load_dir, tag), meta, optimizer_states, universal)
-            drift = getattr(getattr(engine.optimizer, "fair_export", None), "drift", None)
-            if drift is not None:  # the served model was replaced: the next step primes again
-                drift.drift.reset()
+            checkpoint.finish_load(engine, os.path.join(flags["load_dir"], tag), meta, optimizer_states, universal)
+            engine.optimizer.fair_export.telemetry.reset()  # the served model was replaced: the next step primes again
         return path, client_state
+    return load_checkpoint
 
-    engine.load_checkpoint = load_checkpoint
 
-
-def _report_drift(engine, export) -> None:
-    """Send per-step drift telemetry to the engine's monitor (see :mod:`deepspeed_hooks.monitor`)."""
-    from deepspeed_hooks.monitor import DriftMonitor
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names)
-    export.drift = DriftMonitor(total)
-    step = engine.step
-
+def _step_reports_drift(engine, export, step):
+    """``engine.step``: send per-step drift telemetry to the engine's monitor (see
+    :mod:`deepspeed_hooks.monitor`)."""
     @functools.wraps(step)
     def step_and_report(*args, **kwargs):
         result = step(*args, **kwargs)
-        export.drift.write(engine.monitor, engine.global_samples)  # only after an optimizer step
+        export.telemetry.write(engine.monitor, engine.global_samples)  # only after an optimizer step
         return result
-
-    engine.step = step_and_report
+    return step_and_report
 
 
 def initialize(*args, **kwargs):
@@ -193,9 +201,17 @@ def patch_deepspeed() -> None:
     """Make ``deepspeed.initialize`` honour ``"export_cast"`` (one line in a launch script).
 
     Call it before the script's ``deepspeed.initialize(...)``; a script that did
-    ``from deepspeed import initialize`` earlier keeps the unpatched function. Idempotent.
+    ``from deepspeed import initialize`` earlier keeps the unpatched function. Idempotent;
+    :func:`unpatch_deepspeed` undoes it.
     """
-    deepspeed.initialize = initialize
+    if deepspeed.initialize is not initialize:
+        _PATCH.set(deepspeed, "initialize", initialize)
+
+
+def unpatch_deepspeed() -> None:
+    """Put DeepSpeed's own ``deepspeed.initialize`` back (engines already built keep Fair Cast)."""
+    _PATCH.uninstall()
 
 
 _DEEPSPEED_INITIALIZE = deepspeed.initialize
+_PATCH = Wraps()  # patch_deepspeed's one module-global wrap

@@ -29,8 +29,6 @@ BF16_Optimizer, ZeRO-3) gives each element its own residual and served value bac
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import math
 import os
 import re
@@ -41,9 +39,9 @@ import sys
 import torch
 from deepspeed.utils import logger
 
-from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY
+from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY, UNIVERSAL_STATE_FILE
+from faircast_dist.shards import partition_range
 
-UNIVERSAL_STATE_FILE = "export_cast.pt"
 CLIENT_KEY = "export_cast"  # in each model-states file (save_checkpoint's client_state): {"step": int}
 
 
@@ -92,7 +90,8 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
         for name, parts in pieces.items():
             out[name] = torch.cat(parts).view(shapes[name]).clone()
         return out, meta
-    # ZeRO-3: each param cut into ceil(numel / world) per rank, params back to back per sub-group
+    # ZeRO-3: each param cut into ceil(numel / world) per rank (shards.partition_range), params back
+    # to back per sub-group
     shapes = _load(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))["param_shapes"]
     states = [sd["optimizer_state_dict"]["state"] for sd in sds]
     meta["step"] = states[0][0].get(STEP_KEY)
@@ -103,7 +102,8 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
         for name, shape in group.items():
             numel = math.prod(shape)
             pn = math.ceil(numel / len(states))
-            out[name] = torch.cat([st[g][key].view(-1)[offset:offset + pn] for st in states])[:numel].view(shape).clone()
+            parts = [st[g][key].view(-1).narrow(0, offset, partition_range(numel, pn, r)[1]) for r, st in enumerate(states)]
+            out[name] = torch.cat(parts).view(shape).clone()
             offset += pn
     return out, meta
 
@@ -182,18 +182,6 @@ def to_universal(tag_dir: str, out_dir: str) -> None:
         f.write(name)
 
 
-def read_universal(folder: str, names: list[str]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """The Fair Cast state of a universal checkpoint: ``(meta, {key: {name: full tensor}})``."""
-    zero = os.path.join(folder, "zero")
-    meta = torch.load(os.path.join(zero, UNIVERSAL_STATE_FILE), weights_only=False)
-    values = {}
-    for key in (RESIDUAL_KEY, SERVED_KEY):
-        files = {n: os.path.join(zero, n, f"{key}.pt") for n in names}
-        if all(os.path.exists(f) for f in files.values()):
-            values[key] = {n: torch.load(f, weights_only=False)["param"] for n, f in files.items()}
-    return meta, values
-
-
 def resolve_tag(load_dir: str, tag: str | None, universal: bool) -> str | None:
     """The tag ``engine.load_checkpoint(load_dir, tag)`` loads: ``tag``, else the one named in
     ``latest`` (``latest_universal`` for a universal load); None when that file is absent."""
@@ -234,24 +222,6 @@ def refuse_unsupported_load(engine, universal: bool, optimizer_states: bool) -> 
             f"or the original checkpoint with the flag")
 
 
-@contextlib.contextmanager
-def zero3_fp32_reads_tag(tag: str | None):
-    """Make ZeRO-3's ``load_checkpoint(..., load_optimizer_states=False)`` read ``tag``.
-
-    DeepSpeed 0.19.8 (``engine._load_checkpoint``) rebuilds the module there with
-    ``get_fp32_state_dict_from_zero_checkpoint(load_dir)``, which reads the tag in ``latest``
-    whatever tag was asked for.
-    """
-    from deepspeed.runtime import engine as ds_engine
-    original = ds_engine.get_fp32_state_dict_from_zero_checkpoint
-    if tag is not None:
-        ds_engine.get_fp32_state_dict_from_zero_checkpoint = functools.partial(original, tag=tag)
-    try:
-        yield
-    finally:
-        ds_engine.get_fp32_state_dict_from_zero_checkpoint = original
-
-
 def _universal_served(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
     files = {n: os.path.join(folder, "zero", n, f"{SERVED_KEY}.pt") for n in names}
     missing = sorted(n for n, f in files.items() if not os.path.exists(f))
@@ -272,7 +242,7 @@ def write_served(engine, served: dict[str, torch.Tensor]) -> None:
     Raises:
         KeyError: a param the optimizer trains has no value in ``served`` (names it).
     """
-    from deepspeed import comm as dist
+    from deepspeed_hooks import compat
     params = list(engine.module.named_parameters())
     missing = sorted(n for n, p in params if p.requires_grad and n not in served)
     if missing:
@@ -285,9 +255,7 @@ def write_served(engine, served: dict[str, torch.Tensor]) -> None:
             continue  # a frozen param saved with exclude_frozen_parameters: DeepSpeed's own value stays
         value = served[name].reshape(-1)
         if zero3:
-            pn = p.ds_tensor.ds_numel
-            start = dist.get_rank(group=p.ds_process_group) * pn
-            numel = max(0, min(pn, p.ds_numel - start))
+            start, numel, _ = compat.zero3_partition(p, compat.zero3_rank(p))
             p.ds_tensor.narrow(0, 0, numel).copy_(value.narrow(0, start, numel))
         else:
             p.data.view(-1).copy_(value)

@@ -28,12 +28,16 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from faircast_dist import FairCaster
+from faircast_dist.caster import adopt_residuals
 from faircast_dist.config import RESIDUAL_DTYPES
+from faircast_dist.telemetry import ExportObserver
 
 STEP_KEY = "export_cast_step"
 RESIDUAL_KEY = "export_cast_residual"
 SERVED_KEY = "export_cast_served"
 STATE_KEYS = (STEP_KEY, RESIDUAL_KEY, SERVED_KEY)
+#: a universal checkpoint's Fair Cast metadata, ``zero/export_cast.pt`` (written by :mod:`deepspeed_hooks.checkpoint`)
+UNIVERSAL_STATE_FILE = "export_cast.pt"
 
 
 @dataclasses.dataclass
@@ -71,7 +75,7 @@ class OptimizerExport:
         self.optimizer, self.caster, self.param_names = optimizer, caster, param_names
         self.in_step = False
         self.exported = False
-        self.drift = None  # a DriftMonitor when DeepSpeed's monitor is enabled
+        self.telemetry: ExportObserver = ExportObserver()  # a DriftMonitor when DeepSpeed's monitor is enabled
         self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish()
 
     # ---- what an adapter provides
@@ -87,6 +91,45 @@ class OptimizerExport:
         """A context manager entered around the wrapped ``step`` (none by default)."""
         return contextlib.nullcontext()
 
+    # ---- the wraps (listed by deepspeed_hooks.install, each ``original -> replacement``)
+    #: True when the export runs after ``step`` returns (stage 0); False when it runs inside
+    #: ``step`` (a copy, gather or reassign hook), which then only marks it
+    step_exports = False
+
+    def wrap_step(self, step):
+        """``optimizer.step``: export (or let the hooks inside export), then :meth:`finish`."""
+        @functools.wraps(step)
+        def fair_step(*args, **kwargs):
+            self.telemetry.begin(self.pieces)  # before the step writes anything served
+            self.in_step = True
+            try:
+                with self.step_context():
+                    result = step(*args, **kwargs)
+            finally:
+                self.in_step = False
+            if self.step_exports and not getattr(self.optimizer, "overflow", False):
+                self.export()
+            self.finish()
+            return result
+        return fair_step
+
+    def wrap_state_dict(self, state_dict):
+        """``optimizer.state_dict``: put the served bf16 values into the state first."""
+        @functools.wraps(state_dict)
+        def fair_state_dict(*args, **kwargs):
+            self.snapshot_served()
+            return state_dict(*args, **kwargs)
+        return fair_state_dict
+
+    def wrap_load_state_dict(self, load_state_dict):
+        """``optimizer.load_state_dict``: then adopt the loaded cast state (:meth:`after_load`)."""
+        @functools.wraps(load_state_dict)
+        def fair_load_state_dict(*args, **kwargs):
+            result = load_state_dict(*args, **kwargs)
+            self.after_load(kwargs.get("checkpoint_folder"))
+            return result
+        return fair_load_state_dict
+
     # ---- shared machinery
     def state(self, hp: torch.Tensor) -> dict:
         return self.optimizer.optimizer.state[hp]
@@ -99,29 +142,45 @@ class OptimizerExport:
         """Cast group ``i``'s fp32 tensor into its bf16 destinations (this rank's shard only)."""
         self._cast(*self.group(i))
 
+    @staticmethod
+    def buffers(key, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> list[tuple]:
+        """How a group is cast: ``(key, start, fp32 1-D master, bf16 1-D served, rows)`` per call,
+        ``start`` being the master's offset in ``hp`` and ``rows`` ``(name, start in the master,
+        numel, index)`` per fragment. One call for the whole group when its bf16 targets lie in one buffer laid out
+        like ``hp`` (ZeRO partitions, ZeRO-3 sub-groups; ``out``: such a buffer to write instead),
+        else one per fragment (stage 0: bf16 params in separate tensors), keyed ``(key, j)``."""
+        flat = hp.view(-1)
+        out = _flat_out(fragments) if out is None else out
+        if out is not None:
+            return [(key, 0, flat, out, [(f.name, f.start, f.numel, f.index) for f in fragments])]
+        return [((key, j), f.start, flat.narrow(0, f.start, f.numel), f.out.view(-1), [(f.name, 0, f.numel, f.index)])
+                for j, f in enumerate(fragments)]
+
+    def pieces(self) -> list[tuple]:
+        """The served buffers this rank counts in the drift telemetry (every rank's own partitions;
+        stage 0, where every rank casts the whole model, on rank 0 only), as
+        :meth:`faircast_dist.telemetry.DriftSample.observe` takes them."""
+        if self.replicated and dist.get_rank() != 0:
+            return []
+        return [(key, master, served, rows) for i, (hp, fragments) in enumerate(self.groups())
+                for key, _, master, served, rows in self.buffers(i, hp, fragments)]
+
     @torch.no_grad()
     def _cast(self, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> None:
         """Cast one group; ``out``: a bf16 1-D buffer laid out like ``hp`` to write instead of the
         fragments' own targets (ZeRO-1/2: the buffer DeepSpeed's copy was about to fill)."""
-        if self.drift is not None:  # one span per group (ZeRO steps each group just before its cast)
-            self.drift.timer.start(hp.device, new=not self.exported)
-        flat, state = hp.view(-1), self.state(hp)
-        state.pop(SERVED_KEY, None)
-        residual = None
-        if self.caster.method == "error_feedback":
-            residual = state.get(RESIDUAL_KEY)
-            if residual is None:
-                residual = state[RESIDUAL_KEY] = self.caster.new_residual(flat)
-        residual = None if residual is None else residual.view(-1)
-        out = _flat_out(fragments) if out is None else out
-        if out is not None:  # one fused call for the whole group (ZeRO partitions, ZeRO-3 sub-groups)
-            self.caster.cast_flat(flat, out, [(f.name, f.start, f.numel, f.index) for f in fragments], residual)
-        else:  # bf16 params in separate tensors (stage 0 fused groups): one call per param
-            for f in fragments:
-                self.caster.cast_flat(flat.narrow(0, f.start, f.numel), f.out, [(f.name, 0, f.numel, f.index)],
-                                      None if residual is None else residual.narrow(0, f.start, f.numel))
-        if self.drift is not None:
-            self.drift.timer.stop()
+        with self.telemetry.span(hp.device):  # one span per group (ZeRO steps each group just before its cast)
+            state = self.state(hp)
+            state.pop(SERVED_KEY, None)
+            residual = None
+            if self.caster.method.needs_residual:
+                residual = state.get(RESIDUAL_KEY)
+                if residual is None:
+                    residual = state[RESIDUAL_KEY] = self.caster.new_residual(hp.view(-1))
+                residual = residual.view(-1)
+            for _, start, master, served, rows in self.buffers(None, hp, fragments, out):
+                self.caster.cast_flat(master, served, rows,
+                                      None if residual is None else residual.narrow(0, start, master.numel()))
         self.exported = True
         self._cast_now.add(id(hp))
 
@@ -134,8 +193,7 @@ class OptimizerExport:
         self.caster.advance()
         for hp, _ in self.groups():
             self.state(hp)[STEP_KEY] = self.caster.step
-        if self.drift is not None:
-            self.drift.update(self)
+        self.telemetry.end(self.pieces)
 
     def export(self) -> None:
         """Export every group not cast yet in this step, then :meth:`finish`."""
@@ -180,10 +238,9 @@ class OptimizerExport:
                 (written by :mod:`deepspeed_hooks.checkpoint`) are read into this rank's groups,
                 each element's residual and served value following the element.
 
-        Rules: the export step continues from the checkpoint (0 when it has none). Residuals are
-        kept when the method is error feedback and reused exactly; switching *to* error feedback
-        from a checkpoint without residuals starts them at zero (a warning says so); switching
-        away from error feedback drops them (a warning says so).
+        Rules: the export step continues from the checkpoint (0 when it has none); residuals follow
+        :func:`faircast_dist.caster.adopt_residuals` (kept exactly with error feedback, zero when
+        switching to it, dropped when switching away; a warning for the last two).
 
         Raises:
             ValueError: groups disagree on the step, or a residual does not match its group's
@@ -198,7 +255,7 @@ class OptimizerExport:
         (step,) = steps
         if step is None:
             logger.warning("export cast: the checkpoint has no export-cast state (written without Fair Cast?): "
-                           "export step starts at 0" + (", residuals at zero" if self.caster.method == "error_feedback" else ""))
+                           "export step starts at 0" + (", residuals at zero" if self.caster.method.needs_residual else ""))
         self.caster.step = int(step or 0)
         dtype = RESIDUAL_DTYPES[self.caster.config.residual_dtype]
         for hp, fragments in groups:
@@ -208,21 +265,17 @@ class OptimizerExport:
                 names = sorted({f.name for f in fragments})
                 raise ValueError(f"export cast: saved {RESIDUAL_KEY} has {residual.numel()} elements but the "
                                  f"partition holding {names} has {hp.numel()} (saved under another layout?)")
-            if self.caster.method == "error_feedback":
-                if residual is None and step is not None:
-                    logger.warning("export cast: switching to error_feedback: residuals start at zero")
-                elif residual is not None:
-                    # torch's Optimizer.load_state_dict casts float state to the param dtype: undo it.
-                    state[RESIDUAL_KEY] = residual.to(dtype).view(hp.shape)
-            elif residual is not None:
-                logger.warning(f"export cast: the checkpoint has error-feedback residuals but the method is now "
-                               f"{self.caster.method}: dropping them")
+            action, warning = adopt_residuals(self.caster.method, residual is not None)
+            if warning is not None and step is not None:  # without any Fair Cast state: warned above
+                logger.warning(f"export cast: {warning}")
+            if action == "keep":  # torch's Optimizer.load_state_dict casts float state to the param dtype: undo it
+                state[RESIDUAL_KEY] = residual.to(dtype).view(hp.shape)
+            elif action == "drop":
                 del state[RESIDUAL_KEY]
             if state.get(SERVED_KEY) is not None:
                 state[SERVED_KEY] = state[SERVED_KEY].to(torch.bfloat16)
 
     def _load_universal(self, folder: str) -> None:
-        from deepspeed_hooks.checkpoint import UNIVERSAL_STATE_FILE, read_universal
         if not os.path.exists(os.path.join(folder, "zero", UNIVERSAL_STATE_FILE)):
             return  # converted without Fair Cast state: after_load's rules for a plain checkpoint apply
         names = sorted({f.name for _, fragments in self.groups() for f in fragments})
@@ -294,6 +347,18 @@ def _flat_out(fragments: list[Fragment]) -> torch.Tensor | None:
     return f0.out.as_strided((end,), (1,), base)
 
 
+def read_universal(folder: str, names: list[str]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """The Fair Cast state of a universal checkpoint: ``(meta, {key: {name: full tensor}})``."""
+    zero = os.path.join(folder, "zero")
+    meta = torch.load(os.path.join(zero, UNIVERSAL_STATE_FILE), weights_only=False)
+    values = {}
+    for key in (RESIDUAL_KEY, SERVED_KEY):
+        files = {n: os.path.join(zero, n, f"{key}.pt") for n in names}
+        if all(os.path.exists(f) for f in files.values()):
+            values[key] = {n: torch.load(f, weights_only=False)["param"] for n, f in files.items()}
+    return meta, values
+
+
 @torch.no_grad()
 def load_full(export: OptimizerExport, values: dict[str, torch.Tensor], key: str | None = None,
               dtype: torch.dtype | None = None) -> None:
@@ -321,43 +386,3 @@ def load_full(export: OptimizerExport, values: dict[str, torch.Tensor], key: str
             if f.name not in values:
                 raise KeyError(f"load_full: no value for param {f.name!r}")
             target.narrow(0, f.start, f.numel).copy_(values[f.name].reshape(-1).narrow(0, f.index, f.numel))
-
-
-def wrap_methods(optimizer, export: OptimizerExport, step_exports: bool) -> None:
-    """Wrap ``optimizer.step`` / ``state_dict`` / ``load_state_dict`` on the instance.
-
-    Args:
-        step_exports: True when the adapter exports after ``step`` returns (stage 0); False
-            when it exports from inside ``step`` (a gather or reassign hook), then only marks it.
-    """
-    step, state_dict, load_state_dict = optimizer.step, optimizer.state_dict, optimizer.load_state_dict
-
-    @functools.wraps(step)
-    def fair_step(*args, **kwargs):
-        if export.drift is not None and export.drift.drift.previous is None:  # first step (of the run or since a resume)
-            export.drift.prime(export)  # the served model this step replaces
-        export.in_step = True
-        try:
-            with export.step_context():
-                result = step(*args, **kwargs)
-        finally:
-            export.in_step = False
-        if step_exports and not getattr(optimizer, "overflow", False):
-            export.export()
-        export.finish()
-        return result
-
-    @functools.wraps(state_dict)
-    def fair_state_dict(*args, **kwargs):
-        export.snapshot_served()
-        return state_dict(*args, **kwargs)
-
-    @functools.wraps(load_state_dict)
-    def fair_load_state_dict(*args, **kwargs):
-        result = load_state_dict(*args, **kwargs)
-        export.after_load(kwargs.get("checkpoint_folder"))
-        return result
-
-    optimizer.step, optimizer.state_dict, optimizer.load_state_dict = fair_step, fair_state_dict, fair_load_state_dict
-    optimizer.export_caster = export.caster
-    optimizer.fair_export = export

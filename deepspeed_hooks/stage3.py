@@ -7,7 +7,8 @@ Cast replaces that copy for the in-memory path: it casts into the same flat bf16
 lets DeepSpeed re-point the params as before. On load DeepSpeed re-rounds bf16 from fp32 to
 nearest; the served values saved with the checkpoint are written back after it.
 
-Layout: with DP ranks, param ``p`` is cut into ``pn = ceil(p.ds_numel / DP)`` elements per rank;
+Layout (:func:`deepspeed_hooks.compat.zero3_partition`): with DP ranks, param ``p`` is cut into
+``pn = ceil(p.ds_numel / DP)`` elements per rank;
 rank r holds elements ``[r*pn, (r+1)*pn)`` of the flattened param (indices >= ds_numel are
 padding, never cast). A sub-group's flat fp32 buffer is its params' partitions back to back.
 """
@@ -17,7 +18,8 @@ import functools
 
 from deepspeed import comm as dist
 
-from deepspeed_hooks.export import Fragment, OptimizerExport, wrap_methods
+from deepspeed_hooks import compat
+from deepspeed_hooks.export import Fragment, OptimizerExport
 
 
 class Stage3Export(OptimizerExport):
@@ -25,50 +27,48 @@ class Stage3Export(OptimizerExport):
         return self.optimizer.dp_process_group
 
     def groups(self):
-        return [self.group(i) for i in range(len(self.optimizer.fp16_groups))]
+        return [self.group(i) for i in range(len(compat.zero3_groups(self.optimizer)[0]))]
 
     def group(self, i):
         """Sub-group ``i`` alone (``step`` casts one sub-group at a time)."""
-        opt = self.optimizer
-        rank = dist.get_rank(group=opt.dp_process_group)
-        lp_flat, fragments, start = opt.fp16_partitioned_groups_flat[i], [], 0
-        for p in opt.fp16_groups[i]:
-            pn = p.ds_tensor.ds_numel
-            numel = max(0, min(pn, p.ds_numel - rank * pn))
+        lp_groups, lp_flats, hp_flats = compat.zero3_groups(self.optimizer)
+        rank = dist.get_rank(group=self.dp_group(i))
+        fragments, start = [], 0
+        for p in lp_groups[i]:
+            index, numel, part = compat.zero3_partition(p, rank)
             if numel:
-                fragments.append(Fragment(self.param_names[p], start, numel, rank * pn,
-                                          lp_flat.narrow(0, start, numel)))
-            start += pn
-        return opt.fp32_partitioned_groups_flat[i], fragments
+                fragments.append(Fragment(self.param_names[p], start, numel, index, lp_flats[i].narrow(0, start, numel)))
+            start += part
+        return hp_flats[i], fragments
+
+    def wrap_reassign(self, reassign):
+        """:data:`~deepspeed_hooks.compat.ZERO3_REASSIGN`: in a step, cast the sub-group into its
+        flat bf16 buffer instead of the stock copy, then re-point the params as DeepSpeed does."""
+        @functools.wraps(reassign)
+        def fair_reassign(sub_group_id):
+            if not self.in_step:
+                return reassign(sub_group_id)
+            self.export_group(sub_group_id)
+            compat.zero3_repoint(self.optimizer, sub_group_id)
+        return fair_reassign
+
+    def wrap_load_restores_served(self, load_state_dict):
+        """``load_state_dict`` (outside the common wrap): ZeRO-3 re-rounds bf16 from fp32 to
+        nearest on load, so put back what was served."""
+        @functools.wraps(load_state_dict)
+        def load_and_restore(*args, **kwargs):
+            result = load_state_dict(*args, **kwargs)  # after_load has run
+            self.restore_served()
+            return result
+        return load_and_restore
 
 
 def attach(optimizer, caster, param_names) -> Stage3Export:
-    """Attach Fair Cast to a ``DeepSpeedZeroOptimizer_Stage3``.
+    """Fair Cast's export for a ``DeepSpeedZeroOptimizer_Stage3``.
 
     Raises:
         NotImplementedError: with NVMe parameter swapping (no in-memory bf16 buffer to cast into).
     """
-    if any(flat is None for flat in optimizer.fp16_partitioned_groups_flat):
+    if any(flat is None for flat in compat.zero3_groups(optimizer)[1]):
         raise NotImplementedError('"export_cast" mode "fair" does not support ZeRO-3 NVMe parameter swapping yet')
-    export = Stage3Export(optimizer, caster, param_names)
-    reassign = optimizer._reassign_or_swap_out_partitioned_parameters
-
-    @functools.wraps(reassign)
-    def fair_reassign(sub_group_id):
-        if not export.in_step:
-            return reassign(sub_group_id)
-        export.export_group(sub_group_id)
-        optimizer._unflatten_partitioned_parameters(sub_group_id)
-
-    optimizer._reassign_or_swap_out_partitioned_parameters = fair_reassign
-    wrap_methods(optimizer, export, step_exports=False)
-    load_state_dict = optimizer.load_state_dict
-
-    @functools.wraps(load_state_dict)
-    def load_and_restore(*args, **kwargs):
-        result = load_state_dict(*args, **kwargs)  # after_load has run
-        export.restore_served()  # ZeRO-3 re-rounded bf16 from fp32 to nearest: put back what was served
-        return result
-
-    optimizer.load_state_dict = load_and_restore
-    return export
+    return Stage3Export(optimizer, caster, param_names)

@@ -6,7 +6,8 @@ inline in ``step`` (ZeRO-Offload: into a host staging buffer, ``param_buffer_of_
 then on to the device) and in ``BF16_Optimizer.update_lp_params`` — then call the module-level
 ``all_gather_dp_groups`` (also from ``update_lp_params`` after a universal-checkpoint load).
 
-Fair Cast takes the place of that copy, so the step makes one pass over the partition, not two:
+Fair Cast takes the place of that copy (DeepSpeed has no seam there: see :mod:`deepspeed_hooks.compat`),
+so the step makes one pass over the partition, not two:
 while the wrapped ``step`` runs, :class:`faircast_dist.copy_hook.ReplaceCopies` turns exactly
 that ``copy_`` — destination the group's bf16 partition or staging buffer, source its fp32
 partition, matched by storage address and size — into the group's fused Fair Cast into the same
@@ -18,7 +19,7 @@ DeepSpeed version that copies differently) is cast into its bf16 partition right
 gather, as the stock copy's overwrite; outside a step (a load), the served bf16 values saved in
 the checkpoint are put back instead of the nearest rounding.
 
-Global element indices come from each bf16 param's ``_hp_mapping`` fragment:
+Global element indices come from each bf16 param's ``_hp_mapping`` fragment (:func:`deepspeed_hooks.compat.hp_fragment`):
 ``lp_fragment_address.start`` is where the fragment starts in the flattened param (independent of
 DP size and padding); ``hp_fragment_address.start`` is where it sits in the rank's fp32
 partition. DeepSpeed builds that mapping in the original param order, which is wrong under
@@ -31,25 +32,25 @@ import weakref
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime import bf16_optimizer
-from deepspeed.runtime.zero import stage_1_and_2
 
-from deepspeed_hooks.export import Fragment, OptimizerExport, wrap_methods
+from deepspeed_hooks import compat
+from deepspeed_hooks.export import Fragment, OptimizerExport
 from faircast_dist.copy_hook import ReplaceCopies
 
+#: the installed exports by ``id`` of their per-rank bf16 partition lists (what ``all_gather_dp_groups``
+#: gets), for the shared gather wrapper; an export leaves at uninstall (or when it is collected)
 _EXPORTS: "weakref.WeakValueDictionary[int, FlatPartitionExport]" = weakref.WeakValueDictionary()
 
 
 class FlatPartitionExport(OptimizerExport):
-    """Flat partitioned groups. ``names`` maps to the wrapper's attributes:
-    (bf16 param groups, per-rank bf16 partitions, this rank's fp32 partitions)."""
+    """Flat partitioned groups of a ``DeepSpeedZeroOptimizer`` or ``BF16_Optimizer``."""
 
-    def __init__(self, optimizer, caster, param_names, names):
+    def __init__(self, optimizer, caster, param_names):
         super().__init__(optimizer, caster, param_names)
-        self.lp_groups, self.lp_partitions, self.hp_partitions = (getattr(optimizer, n) for n in names)
+        self.lp_groups, self.lp_partitions, self.hp_partitions = compat.flat_partitions(optimizer)
 
     def dp_group(self, i):
-        return self.optimizer.real_dp_process_group[i]
+        return compat.dp_groups(self.optimizer)[i]
 
     def groups(self):
         out = []
@@ -57,11 +58,10 @@ class FlatPartitionExport(OptimizerExport):
             lp = self.lp_partitions[i][dist.get_rank(group=self.dp_group(i))]
             fragments = []
             for p in params:
-                m = p._hp_mapping
-                if m is not None:  # None: the param lies in another rank's partition
-                    start, numel = m.hp_fragment_address.start, m.hp_fragment_address.numel
-                    fragments.append(Fragment(self.param_names[p], start, numel, m.lp_fragment_address.start,
-                                              lp.narrow(0, start, numel)))
+                piece = compat.hp_fragment(p)
+                if piece is not None:  # None: the param lies in another rank's partition
+                    start, numel, index = piece
+                    fragments.append(Fragment(self.param_names[p], start, numel, index, lp.narrow(0, start, numel)))
             out.append((self.hp_partitions[i], fragments))
         return out
 
@@ -79,7 +79,7 @@ class FlatPartitionExport(OptimizerExport):
         """The group whose stock master->bf16 copy ``dest.copy_(src)`` is, or None."""
         if dest.dtype != torch.bfloat16 or src.dtype != torch.float32 or not dest.is_contiguous():
             return None
-        staging = getattr(self.optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", None) or ()
+        staging = compat.offload_staging(self.optimizer)
         for i, hp in enumerate(self.hp_partitions):
             if src.data_ptr() != hp.data_ptr() or src.numel() != hp.numel() or dest.numel() != hp.numel():
                 continue
@@ -101,42 +101,38 @@ class FlatPartitionExport(OptimizerExport):
                 dest.narrow(0, end, start - end).copy_(flat.narrow(0, end, start - end))
             end = max(end, start + numel)
 
+    def register(self) -> None:
+        """Let the shared gather wrapper find this export (until :meth:`unregister`)."""
+        _EXPORTS[id(self.lp_partitions)] = self
 
-def _gather_with_fair_cast(original, groups_flat, partitioned_param_groups, *args, **kwargs):
-    export = _EXPORTS.get(id(partitioned_param_groups))
-    if export is not None:
-        if export.in_step:
-            export.export()  # the groups whose copy was not turned into their cast; then finish()
-        else:
-            export.restore_served()
-    return original(groups_flat, partitioned_param_groups, *args, **kwargs)
+    def unregister(self) -> None:
+        _EXPORTS.pop(id(self.lp_partitions), None)
 
 
-def _patch_gather(module) -> None:
-    if not getattr(module.all_gather_dp_groups, "_faircast", False):
-        wrapped = functools.partial(_gather_with_fair_cast, module.all_gather_dp_groups)
-        wrapped._faircast = True
-        module.all_gather_dp_groups = wrapped
+def wrap_gather(original):
+    """The shared wrapper of a module's ``all_gather_dp_groups`` (see the module docstring)."""
+    @functools.wraps(original)
+    def all_gather_dp_groups(groups_flat, partitioned_param_groups, *args, **kwargs):
+        export = _EXPORTS.get(id(partitioned_param_groups))
+        if export is not None:
+            if export.in_step:
+                export.export()  # the groups whose copy was not turned into their cast; then finish()
+            else:
+                export.restore_served()
+        return original(groups_flat, partitioned_param_groups, *args, **kwargs)
+    return all_gather_dp_groups
 
 
 def attach(optimizer, caster, param_names) -> FlatPartitionExport:
-    """Attach Fair Cast to a ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, offload too) or ``BF16_Optimizer``.
+    """Fair Cast's export for a ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, offload too) or ``BF16_Optimizer``.
 
     Raises:
         NotImplementedError: with ``zero_optimization.round_robin_gradients``: DeepSpeed 0.19
             builds the ``_hp_mapping`` fragments in the original param order while the flat buffer
             is in round-robin order, so the fragments would name the wrong params.
     """
-    if getattr(optimizer, "round_robin_gradients", False):
+    if compat.round_robin_gradients(optimizer):
         raise NotImplementedError('"export_cast" mode "fair" does not support "zero_optimization": '
                                   '{"round_robin_gradients": true}: DeepSpeed\'s fragment mapping ignores the '
                                   "round-robin order of the flat buffer (it would key elements by the wrong param)")
-    if isinstance(optimizer, stage_1_and_2.DeepSpeedZeroOptimizer):
-        names, module = ("bit16_groups", "parallel_partitioned_bit16_groups", "single_partition_of_fp32_groups"), stage_1_and_2
-    else:
-        names, module = ("bf16_groups", "bf16_partitioned_groups", "fp32_groups_flat_partition"), bf16_optimizer
-    export = FlatPartitionExport(optimizer, caster, param_names, names)
-    _EXPORTS[id(export.lp_partitions)] = export
-    _patch_gather(module)
-    wrap_methods(optimizer, export, step_exports=False)
-    return export
+    return FlatPartitionExport(optimizer, caster, param_names)

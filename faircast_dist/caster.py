@@ -1,18 +1,40 @@
 """The caster: one export-cast config, the export step, and error-feedback residuals.
 
-Class face (:class:`FairCaster`) for integrations and scripts; the functional casts live in
-:mod:`faircast_dist.rounding`. The bf16 bits of an element depend only on
+Class face (:class:`FairCaster`) for integrations and scripts; the functional casts are
+``faircast_dist.cast_stochastic`` / ``cast_error_feedback`` (fused, :mod:`faircast_dist.fused`),
+with the plain-torch spec in :mod:`faircast_dist.rounding`. The bf16 bits of an element depend only on
 (seed, step, canonical parameter name, global element index, master value, residual) — never on
-the layout that holds it (DESIGN.md invariant 1).
+the layout that holds it (docs/design.md invariant 1).
 """
 from __future__ import annotations
 
 import torch
 
 from faircast_dist import fused
-from faircast_dist.config import RESIDUAL_DTYPES, ExportCastConfig
+from faircast_dist.config import RESIDUAL_DTYPES, ExportCastConfig, Method
 from faircast_dist.philox import derive_dither_key, derive_key
-from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic
+from faircast_dist.rounding import cast_nearest
+
+
+def adopt_residuals(method: Method, saved: bool) -> tuple[str, str | None]:
+    """The one rule for a checkpoint's error-feedback residuals (:meth:`FairCaster.load_state_dict`
+    and both integrations' loads).
+
+    Args:
+        method: the method now.
+        saved: the checkpoint holds residuals (it was written with error feedback).
+
+    Returns:
+        ``(action, warning)``: ``"keep"`` (reuse them exactly), ``"zero"`` (error feedback now,
+        none saved: start from zero residuals), ``"drop"`` (saved, another method now) or
+        ``"none"``; ``warning`` is the message to log for ``"zero"`` and ``"drop"``, else None.
+    """
+    if method.needs_residual:
+        return ("keep", None) if saved else ("zero", "switching to error_feedback: the checkpoint has no "
+                                             "residuals, they start at zero")
+    if saved:
+        return "drop", f"the checkpoint has error-feedback residuals but the method is now {method}: dropping them"
+    return "none", None
 
 
 class FairCaster:
@@ -35,8 +57,8 @@ class FairCaster:
         self.residuals: dict[str, torch.Tensor] = {}
 
     @property
-    def method(self) -> str:
-        """``"nearest"``, ``"stochastic"``, ``"error_feedback"`` or ``"dithered"``."""
+    def method(self) -> Method:
+        """What the cast does (a :class:`~faircast_dist.config.Method`, equal to its config string)."""
         return self.config.effective_method
 
     def key(self, name: str) -> tuple[int, int]:
@@ -50,19 +72,21 @@ class FairCaster:
         Raises:
             ValueError: when the method draws no random bits (nearest, error feedback).
         """
-        if self.method == "stochastic":
+        if self.method is Method.STOCHASTIC:
             return derive_key(self.config.seed, self.step, name)
-        if self.method == "dithered":
+        if self.method is Method.DITHERED:
             return derive_dither_key(self.config.seed, name)
-        raise ValueError(f"export cast method {self.method!r} draws no random bits: it has no Philox key")
+        raise ValueError(f"export cast method {self.method.value!r} draws no random bits: it has no Philox key")
 
     def new_residual(self, master: torch.Tensor) -> torch.Tensor:
         """A zero residual for ``master`` (same shape and device, the configured dtype)."""
         return torch.zeros(master.shape, dtype=RESIDUAL_DTYPES[self.config.residual_dtype], device=master.device)
 
     def cast(self, name: str, master: torch.Tensor, index: torch.Tensor | int = 0,
-             out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Cast one shard of parameter ``name`` at the current step.
+             out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+             backend: str = "auto") -> torch.Tensor:
+        """Cast one shard of parameter ``name`` at the current step (the fused kernels; bitwise the
+        reference casts of :mod:`faircast_dist.rounding`, NaN payloads aside).
 
         Args:
             name: canonical parameter name (the same on every rank and layout).
@@ -72,6 +96,7 @@ class FairCaster:
             out: optional bfloat16 tensor shaped like ``master``, written in place.
             residual: error feedback only: the shard's residual, updated in place. When None,
                 ``self.residuals[name]`` is used (created as zeros on first use).
+            backend: see :func:`faircast_dist.fused.resolve_backend` (``"reference"``: plain torch).
 
         Returns:
             bfloat16 tensor shaped like ``master`` (``out`` when given).
@@ -80,15 +105,15 @@ class FairCaster:
             TypeError / ValueError: on wrong dtypes or shapes (see :mod:`faircast_dist.rounding`).
         """
         method = self.method
-        if method == "nearest":
+        if method is Method.NEAREST:
             return cast_nearest(master, out)
-        if method in ("stochastic", "dithered"):
-            return cast_stochastic(master, self.key(name), index, out)
+        if method.keyed:
+            return fused.cast_stochastic(master, self.key(name), index, out, backend)
         if residual is None:
             residual = self.residuals.get(name)
             if residual is None:
                 residual = self.residuals[name] = self.new_residual(master)
-        return cast_error_feedback(master, residual, out)
+        return fused.cast_error_feedback(master, residual, out, backend)
 
     def cast_flat(self, master: torch.Tensor, out: torch.Tensor, fragments, residual: torch.Tensor | None = None,
                   backend: str = "auto") -> torch.Tensor:
@@ -138,13 +163,13 @@ class FairCaster:
         """
         rows = list(fragments)
         method = self.method
-        if method == "nearest":
+        if method is Method.NEAREST:
             for k, _, start, numel, _ in rows:
                 cast_nearest(masters[k].narrow(0, start, numel), outs[k].narrow(0, start, numel))
             return outs
-        if method == "error_feedback" and residuals is None:
+        if method.needs_residual and residuals is None:
             raise ValueError("FairCaster.cast_flat: error feedback needs the buffer's residual")
-        keyed = method != "error_feedback"  # every keyed method is stochastic rounding in the kernel
+        keyed = method.keyed  # every keyed method is stochastic rounding in the kernel
         keys = {name: self.key(name) if keyed else (0, 0) for _, name, _, _, _ in rows}
         table = [(k, start, numel, index, *keys[name]) for k, name, start, numel, index in rows]
         targets = [o if o.device == m.device else torch.empty(m.shape, dtype=torch.bfloat16, device=m.device)
@@ -177,6 +202,7 @@ class FairCaster:
         """
         self.step = int(state["step"])
         saved = ExportCastConfig.from_value(state.get("config"))
-        same = saved.effective_method == self.method == "error_feedback"
+        action, _ = adopt_residuals(self.method, saved.effective_method.needs_residual)
         dtype = RESIDUAL_DTYPES[self.config.residual_dtype]
-        self.residuals = {k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()} if same else {}
+        self.residuals = ({k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()}
+                          if action == "keep" else {})

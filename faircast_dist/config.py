@@ -7,13 +7,47 @@ Megatron:   ``--export-cast fair --export-cast-method stochastic --export-cast-s
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import torch
 
+
+class Method(str, enum.Enum):
+    """What the export cast does. A ``str`` (``Method.STOCHASTIC == "stochastic"``, f-strings give
+    the value), so a method can be compared with, and written as, its config spelling."""
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+    ERROR_FEEDBACK = "error_feedback"
+    DITHERED = "dithered"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @property
+    def needs_residual(self) -> bool:
+        """Keeps a residual per element (error feedback)."""
+        return self is Method.ERROR_FEEDBACK
+
+    @property
+    def keyed(self) -> bool:
+        """Draws Philox random bits (stochastic and dithered rounding: the same kernel, other keys)."""
+        return self in (Method.STOCHASTIC, Method.DITHERED)
+
+
 MODES = ("nearest", "fair")
-METHODS = ("stochastic", "error_feedback", "dithered")
+METHODS = tuple(m.value for m in Method if m is not Method.NEAREST)  # the methods of mode "fair"
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A bad export-cast setting. ``field``: the setting it names (``"mode"``, ``"method"``,
+    ``"seed"``, ``"residual_dtype"``), or None (an unknown key, the section itself)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +67,7 @@ class ExportCastConfig:
             the residual itself is then rounded) for error feedback.
 
     Raises:
-        ValueError: naming the field and the bad value.
+        ConfigError: (a ``ValueError``) naming the field and the bad value; ``.field`` is the field.
     """
 
     mode: str = "nearest"
@@ -45,14 +79,14 @@ class ExportCastConfig:
         if isinstance(self.method, str):
             object.__setattr__(self, "method", self.method.replace("-", "_"))
         if not isinstance(self.mode, str) or self.mode not in MODES:
-            raise ValueError(f"export_cast.mode must be one of {MODES}, got {self.mode!r}")
+            raise ConfigError(f"export_cast.mode must be one of {MODES}, got {self.mode!r}", "mode")
         if not isinstance(self.method, str) or self.method not in METHODS:
-            raise ValueError(f"export_cast.method must be one of {METHODS}, got {self.method!r}")
+            raise ConfigError(f"export_cast.method must be one of {METHODS}, got {self.method!r}", "method")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
-            raise ValueError(f"export_cast.seed must be an int64, got {self.seed!r}")
+            raise ConfigError(f"export_cast.seed must be an int64, got {self.seed!r}", "seed")
         if not isinstance(self.residual_dtype, str) or self.residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(
-                f"export_cast.residual_dtype must be one of {tuple(RESIDUAL_DTYPES)}, got {self.residual_dtype!r}")
+            raise ConfigError(f"export_cast.residual_dtype must be one of {tuple(RESIDUAL_DTYPES)}, "
+                              f"got {self.residual_dtype!r}", "residual_dtype")
 
     @property
     def enabled(self) -> bool:
@@ -60,16 +94,16 @@ class ExportCastConfig:
         return self.mode == "fair"
 
     @property
-    def effective_method(self) -> str:
-        """``"nearest"`` or one of :data:`METHODS`: what the cast really does."""
-        return self.method if self.enabled else "nearest"
+    def effective_method(self) -> Method:
+        """What the cast really does: :attr:`Method.NEAREST` unless the mode is ``"fair"``."""
+        return Method(self.method) if self.enabled else Method.NEAREST
 
     @classmethod
     def from_value(cls, value: Any) -> "ExportCastConfig":
         """Parse a config section: None (off), a mode string, or a dict of the fields above.
 
         Raises:
-            ValueError: on an unknown key (named, with the allowed keys) or a bad value.
+            ConfigError: (a ``ValueError``) on an unknown key (named, with the allowed keys) or a bad value.
             TypeError: when ``value`` is neither None, str nor dict.
         """
         if value is None:
@@ -81,8 +115,9 @@ class ExportCastConfig:
         allowed = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(value) - set(allowed))
         if unknown:
-            raise ValueError(f"unknown key(s) in export_cast: {unknown}; allowed keys are {allowed}")
+            raise ConfigError(f"unknown key(s) in export_cast: {unknown}; allowed keys are {allowed}")
         return cls(**value)
 
     def to_dict(self) -> dict:
+        """The fields as plain values (``{"mode": str, "method": str, "seed": int, "residual_dtype": str}``)."""
         return dataclasses.asdict(self)

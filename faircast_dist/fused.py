@@ -11,10 +11,12 @@ executable spec; the kernels here give the same bits, faster:
 * ``"reference"``: the plain-torch casts, one call per segment.
 
 :func:`cast_flat` (one buffer) and :func:`cast_tensors` (a list of buffers, one call: the many
-small masters of an optimizer) pick one in one place. A buffer is described by a
+small masters of an optimizer) pick one in one place; :func:`cast_stochastic` and
+:func:`cast_error_feedback` (one shard of any shape, the reference's signatures; exported as
+``faircast_dist.cast_stochastic`` / ``cast_error_feedback``) go through :func:`cast_flat`. A buffer is described by a
 *segment table*: one row per param fragment it holds,
 ``(start in the buffer, numel, global index of the fragment's first element, k0, k1)``, so every
-fragment keeps its own Philox key and global element indices (DESIGN.md invariant 1). Keys are
+fragment keeps its own Philox key and global element indices (docs/design.md invariant 1). Keys are
 per row: any key derivation (per step, or without the step) runs on the same kernel. A strided
 TP block is several rows, one per contiguous run of global indices. Elements outside every
 segment (padding) are left untouched.
@@ -35,9 +37,10 @@ from typing import Sequence
 
 import torch
 
-from faircast_dist.rounding import cast_error_feedback, cast_stochastic
+from faircast_dist import rounding
+from faircast_dist.shards import index_runs  # noqa: F401  (also fused.index_runs: strided blocks -> segment rows)
 
-METHODS = ("stochastic", "error_feedback")
+KERNELS = ("stochastic", "error_feedback")  # the kernels (dithered rounding is the stochastic one, other keys)
 BACKENDS = ("auto", "cpu", "triton", "reference")
 BACKEND_ENV = "FAIRCAST_FUSED_BACKEND"  # overrides "auto" (e.g. "reference" to rule the kernels out)
 _CPU = {}  # "module": the built extension, or None after a failed build
@@ -64,31 +67,10 @@ def segment_table(rows: Sequence[Sequence[int]] | torch.Tensor, columns: int = 5
     return table
 
 
-def index_runs(index: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Rows ``(start, numel, index)`` of the runs of consecutive global indices in ``index``.
-
-    A strided TP block (e.g. a row-parallel shard, from :func:`faircast_dist.shards.block_index`)
-    is one row per contiguous run; append the key columns to get segment rows.
-
-    Args:
-        index: global element indices of consecutive buffer elements (any shape, read flat).
-        start: buffer position of ``index``'s first element.
-
-    Returns:
-        int64 CPU tensor ``[R, 3]``.
-    """
-    flat = index.reshape(-1).to(device="cpu", dtype=torch.int64)
-    if flat.numel() == 0:
-        return torch.zeros(0, 3, dtype=torch.int64, device="cpu")
-    first = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), (flat[1:] != flat[:-1] + 1).nonzero().view(-1) + 1])
-    numel = torch.diff(first, append=torch.tensor([flat.numel()], device="cpu"))
-    return torch.stack([first + start, numel, flat[first]], dim=1)
-
-
 def _check(method, masters, outs, table, residuals, single):
     """Validate the buffers and rows of :func:`cast_tensors` (``single``: name them as cast_flat does)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in KERNELS:
+        raise ValueError(f"method must be one of {KERNELS}, got {method!r}")
     if residuals is None and method == "error_feedback":
         raise ValueError("error_feedback needs a residual")
     lists = [("master", masters, (torch.float32,)), ("out", outs, (torch.bfloat16,))]
@@ -254,6 +236,79 @@ def _cast(method, masters, outs, table, residuals, backend, single):
         for k, start, numel, index, k0, k1 in table.tolist():
             s = slice(start, start + numel)
             if method == "stochastic":
-                cast_stochastic(masters[k][s], (k0, k1), index, out=outs[k][s])
+                rounding.cast_stochastic(masters[k][s], (k0, k1), index, out=outs[k][s])
             else:
-                cast_error_feedback(masters[k][s], residuals[k][s], out=outs[k][s])
+                rounding.cast_error_feedback(masters[k][s], residuals[k][s], out=outs[k][s])
+
+
+def _shard_buffers(master: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(contiguous flat master, bf16 tensor shaped like it to cast into: ``out`` when contiguous)."""
+    target = out if out is not None and out.is_contiguous() else \
+        torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
+    return master.contiguous().view(-1), target
+
+
+def _written(target: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out``, filled from ``target`` when the cast could not write it directly; else ``target``."""
+    return out.copy_(target) if out is not None and target is not out else target
+
+
+def cast_stochastic(master: torch.Tensor, key: tuple[int, int], index: torch.Tensor | int,
+                    out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """Stochastic (or dithered) rounding of one shard, fused: the bits of
+    :func:`faircast_dist.rounding.cast_stochastic` (NaN payloads aside, see the module docstring).
+
+    Args:
+        master: float32 shard, any shape (a non-contiguous one is cast from a contiguous copy).
+        key: Philox key ``(k0, k1)`` (:func:`~faircast_dist.philox.derive_key` for stochastic
+            rounding, :func:`~faircast_dist.philox.derive_dither_key` for dithered rounding).
+        index: the int global index of ``master.reshape(-1)[0]`` (a contiguous run), or an int64
+            tensor shaped like ``master`` of each element's global index (a strided TP block: one
+            segment per run of consecutive indices; read on the host).
+        out: optional bfloat16 tensor shaped like ``master``, written in place.
+        backend: see :func:`resolve_backend`; ``"reference"`` calls the plain-torch cast.
+
+    Returns:
+        bfloat16 tensor shaped like ``master`` (``out`` when given).
+
+    Raises:
+        TypeError / ValueError: as the reference (dtypes, shapes, index), or a negative index.
+    """
+    rounding.check_stochastic_args(master, index, out)
+    if resolve_backend(master.device, backend) == "reference":
+        return rounding.cast_stochastic(master, key, index, out)
+    flat, target = _shard_buffers(master, out)
+    if isinstance(index, int):
+        rows = torch.tensor([[0, flat.numel(), index]], dtype=torch.int64, device="cpu")
+    else:
+        rows = index_runs(index)
+    keys = torch.tensor([key], dtype=torch.int64, device="cpu").expand(rows.shape[0], 2)
+    cast_flat("stochastic", flat, target.view(-1), torch.cat([rows, keys], dim=1), backend=backend)
+    return _written(target, out)
+
+
+def cast_error_feedback(master: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None,
+                        backend: str = "auto") -> torch.Tensor:
+    """Error-feedback cast of one shard, fused: the bits of
+    :func:`faircast_dist.rounding.cast_error_feedback` (NaN payloads aside), ``residual`` updated
+    in place the same way.
+
+    Args:
+        master: float32 shard, any shape (a non-contiguous one is cast from a contiguous copy).
+        residual: float32 or bfloat16 contiguous tensor shaped like ``master`` (same device).
+        out: optional bfloat16 tensor shaped like ``master``, written in place.
+        backend: see :func:`resolve_backend`; ``"reference"`` calls the plain-torch cast.
+
+    Returns:
+        bfloat16 tensor shaped like ``master`` (``out`` when given).
+
+    Raises:
+        TypeError / ValueError: as the reference (dtypes, shapes, a non-contiguous residual).
+    """
+    rounding.check_error_feedback_args(master, residual, out)
+    if resolve_backend(master.device, backend) == "reference":
+        return rounding.cast_error_feedback(master, residual, out)
+    flat, target = _shard_buffers(master, out)
+    rows = torch.tensor([[0, flat.numel(), 0, 0, 0]], dtype=torch.int64, device="cpu")
+    cast_flat("error_feedback", flat, target.view(-1), rows, residual.view(-1), backend=backend)
+    return _written(target, out)

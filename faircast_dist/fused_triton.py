@@ -10,7 +10,13 @@ mid-block. Written for exact bits on any Triton version:
   interpreter sign-extends signed int32 operands of ``umulhi``);
 * program offsets are int64 (loaded from int64 tables): ``pid * BLOCK`` in int32 overflows past
   2**31 elements;
-* rounding is integer ops on the fp32 bit pattern (no libdevice, no flush-to-zero surprises).
+* rounding is integer ops on the fp32 bit pattern (no libdevice, no flush-to-zero surprises);
+* the compile options are pinned (:data:`COMPILE_OPTIONS`): no FP contraction, whatever a Triton
+  version's default (3.9 warns that its ``enable_fp_fusion`` default changes in 3.10), so error
+  feedback's ``x + e`` and ``y - q`` stay two correctly rounded fp32 operations.
+
+``tests/test_triton_aot.py`` compiles the kernel ahead of time for ``sm_90`` on the CPU (CI runs
+it only under the interpreter, which does not see what only the compiler sees).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ except ImportError:  # the CPU kernel and the reference do not need it
     triton = None
 
 BLOCK = 1024  # elements per program (a multiple of 8)
+COMPILE_OPTIONS = {"enable_fp_fusion": False}  # pinned: a Triton upgrade must not change the bits
 
 
 def available() -> bool:
@@ -154,7 +161,8 @@ def cast_flat(method: str, master: torch.Tensor, out: torch.Tensor, table: torch
     ef = method == "error_feedback"
     res = master if not ef else residual.view(torch.int16) if residual.dtype == torch.bfloat16 else residual
     _cast_kernel[(seg.numel(),)](master.view(torch.int32), out.view(torch.int16), res, table.to(master.device),
-                                 seg, base, EF=ef, RES_BF16=ef and residual.dtype == torch.bfloat16, BLOCK=BLOCK)
+                                 seg, base, EF=ef, RES_BF16=ef and residual.dtype == torch.bfloat16, BLOCK=BLOCK,
+                                 **COMPILE_OPTIONS)
 
 
 def philox4x32_10(counter: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""The fp32 -> bf16 casts, each on one shard with one call (no Python loop over elements).
+"""The fp32 -> bf16 casts in plain torch, each on one shard with one call: the executable spec.
+
+The fast casts of the same names (:func:`faircast_dist.cast_stochastic`,
+:func:`faircast_dist.cast_error_feedback`, in :mod:`faircast_dist.fused`) give these bits (NaN
+payloads aside) and are what the integrations and ``FairCaster`` call; these stay the definition,
+importable as ``faircast_dist.rounding``, and what the kernels are tested against.
 
 Bit layout. bf16 is the high half of fp32::
 
@@ -61,6 +66,37 @@ def _check_shard(master: torch.Tensor, out: torch.Tensor | None) -> None:
             raise TypeError(f"output shard must be bfloat16, got {out.dtype}")
         if out.shape != master.shape:
             raise ValueError(f"output shard shape {tuple(out.shape)} != master shard shape {tuple(master.shape)}")
+
+
+def check_stochastic_args(master: torch.Tensor, index, out: torch.Tensor | None) -> None:
+    """The argument checks of :func:`cast_stochastic` (shared with the fused cast of that name).
+
+    Raises:
+        TypeError / ValueError: as :func:`cast_stochastic` documents.
+    """
+    _check_shard(master, out)
+    if isinstance(index, torch.Tensor):
+        if index.shape != master.shape:
+            raise ValueError(f"index shape {tuple(index.shape)} != master shard shape {tuple(master.shape)}")
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise TypeError(f"index must be an integer tensor of global element indices, got {index.dtype}")
+    elif not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 2**63 - master.numel():
+        raise ValueError(f"index must be an int start offset in [0, 2**63 - numel) or an index tensor, got {index!r}")
+
+
+def check_error_feedback_args(master: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None) -> None:
+    """The argument checks of :func:`cast_error_feedback` (shared with the fused cast of that name).
+
+    Raises:
+        TypeError / ValueError: as :func:`cast_error_feedback` documents.
+    """
+    _check_shard(master, out)
+    if residual.shape != master.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != master shard shape {tuple(master.shape)}")
+    if residual.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"residual must be float32 or bfloat16, got {residual.dtype}")
+    if not residual.is_contiguous():
+        raise ValueError("residual must be contiguous: it is updated in place through a flat view")
 
 
 def _chunked(master: torch.Tensor, out: torch.Tensor | None, fn) -> torch.Tensor:
@@ -141,14 +177,7 @@ def cast_stochastic(master: torch.Tensor, key: tuple[int, int], index: torch.Ten
     Raises:
         TypeError / ValueError: on wrong dtypes or shapes, or an index tensor of another shape.
     """
-    _check_shard(master, out)
-    if isinstance(index, torch.Tensor):
-        if index.shape != master.shape:
-            raise ValueError(f"index shape {tuple(index.shape)} != master shard shape {tuple(master.shape)}")
-        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-            raise TypeError(f"index must be an integer tensor of global element indices, got {index.dtype}")
-    elif not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 2**63 - master.numel():
-        raise ValueError(f"index must be an int start offset in [0, 2**63 - numel) or an index tensor, got {index!r}")
+    check_stochastic_args(master, index, out)
     flat = master.reshape(-1)
     flat_index = index if isinstance(index, int) else index.reshape(-1)
 
@@ -176,13 +205,7 @@ def cast_error_feedback(master: torch.Tensor, residual: torch.Tensor,
     Raises:
         TypeError / ValueError: on wrong dtypes or mismatched shapes.
     """
-    _check_shard(master, out)
-    if residual.shape != master.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} != master shard shape {tuple(master.shape)}")
-    if residual.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"residual must be float32 or bfloat16, got {residual.dtype}")
-    if not residual.is_contiguous():
-        raise ValueError("residual must be contiguous: it is updated in place through a flat view")
+    check_error_feedback_args(master, residual, out)
     flat, res = master.reshape(-1), residual.view(-1)  # residual must be updatable in place
 
     def chunk(lo, hi):

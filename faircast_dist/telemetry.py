@@ -1,4 +1,4 @@
-"""Drift telemetry: how far the served bf16 weights are from the fp32 master (DESIGN.md).
+"""Drift telemetry: how far the served bf16 weights are from the fp32 master (docs/design.md).
 
 * ``changed_fraction[t]`` — fraction of served bf16 elements whose bits differ from step t-1.
 * ``lag_steps[t]``       — argmin over k in [0, K] of ||served_t - master_{t-k}||^2 on a fixed
@@ -10,9 +10,12 @@ The functions below measure whole tensors on the host (tests, demos). Inside tra
 :class:`DriftSample` measures the elements a rank casts on their device, on a fixed sample chosen
 by global element index (so the sample is the same in every layout), and :func:`reduce_drift`
 turns the ranks' sums into the four numbers the integrations log, with one small all-reduce.
+Both integrations' exports call an :class:`ExportObserver` at every export (the default one does
+nothing); :class:`DriftObserver` is the one that measures.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from collections import deque
@@ -356,3 +359,72 @@ class ExportTimer:
             return 1e3 * sum(end - begin for begin, end in spans)
         spans[-1][1].synchronize()
         return float(sum(begin.elapsed_time(end) for begin, end in spans))
+
+
+# -- the observer both integrations' exports call ------------------------------------------------------
+class ExportObserver:
+    """Telemetry of a rank's exports, as both integrations call it at every export, unconditionally.
+    This base class is the default: no telemetry, no cost.
+
+    An export calls :meth:`begin` once before its first cast, casts inside one or more
+    :meth:`span` blocks (DeepSpeed casts each param group right after stepping it: the optimizer's
+    own work in between is not timed), then calls :meth:`end` when the export is complete;
+    ``pieces`` is a callable returning the :meth:`DriftSample.observe` pieces of the buffers this
+    rank counts (called only by an observer that measures, so the default costs nothing).
+    :meth:`reset` after a checkpoint load in a running process (the served model was replaced).
+    """
+
+    def begin(self, pieces) -> None:
+        """An export is about to cast (nothing served has been written yet)."""
+
+    def span(self, device):
+        """A context manager around one cast of the export, on ``device``."""
+        return contextlib.nullcontext()
+
+    def end(self, pieces) -> None:
+        """The export is complete."""
+
+    def reset(self) -> None:
+        """Forget the served model and history: the next export starts afresh."""
+
+
+class DriftObserver(ExportObserver):
+    """Drift telemetry of a rank's exports: a :class:`DriftSample` and an :class:`ExportTimer`.
+
+    Args:
+        stride: sampling stride (:func:`sample_stride` of the whole model, the same on every rank).
+        max_lag: K, past master samples kept for ``lag_steps``.
+        device: where the sums live when this rank casts nothing (default: CPU).
+
+    Attributes:
+        sample: the :class:`DriftSample` (its ``last`` is what :func:`reduce_drift` reduces).
+        timer: the :class:`ExportTimer` of the spans of the last export.
+    """
+
+    def __init__(self, stride: int, max_lag: int = 100, device=None):
+        self.sample, self.timer, self.device = DriftSample(stride, max_lag), ExportTimer(), device
+        self._new = True
+
+    def begin(self, pieces) -> None:
+        if self.sample.previous is None:  # the first export (of this run or since a resume)
+            self.sample.prime(pieces(), device=self.device)  # the served model this export replaces
+        self._new = True
+
+    @contextlib.contextmanager
+    def span(self, device):
+        self.timer.start(device, new=self._new)
+        self._new = False
+        try:
+            yield
+        finally:
+            self.timer.stop()
+
+    def end(self, pieces) -> None:
+        self.sample.observe(pieces(), device=self.device)
+
+    def reset(self) -> None:
+        self.sample.reset()
+
+    def reduce(self, group=None) -> dict[str, float]:
+        """:func:`reduce_drift` of this rank's sample and export time (collective)."""
+        return reduce_drift([self.sample], self.timer.ms(), group=group)

@@ -25,6 +25,8 @@ Three ways in, from least to most code:
                telemetry=True)  # then megatron_patches.drift_metrics(optimizer) when logging
 
 See :mod:`megatron_patches.optimizer` for where the cast happens and how checkpoints carry it.
+:func:`uninstall` (an optimizer) and :func:`deactivate` (what :func:`activate` wrapped) put the
+stock functions back.
 """
 from __future__ import annotations
 
@@ -33,15 +35,26 @@ import sys
 from typing import Optional
 
 from faircast_dist import ExportCastConfig
+from faircast_dist.wraps import Wraps
 from megatron_patches.args import add_export_cast_args, config_from_args, with_export_cast_args
-from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install
+from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install, uninstall
 from megatron_patches.telemetry import drift_metrics
 
-__all__ = ["activate", "install", "add_export_cast_args", "with_export_cast_args", "config_from_args",
-           "check_config", "drift_metrics", "ExportCastConfig", "MegatronExport", "STATE_KEY"]
+__all__ = ["activate", "deactivate", "install", "uninstall", "add_export_cast_args", "with_export_cast_args",
+           "config_from_args", "check_config", "drift_metrics", "ExportCastConfig", "MegatronExport", "STATE_KEY"]
 
-_ORIGINAL = {}
-_OPTIMIZERS = []  # optimizers built since activate(), for the training_log wrapper
+
+class _Activation:
+    """What :func:`activate` set up: its settings, its wraps, and the optimizer it installed Fair
+    Cast on last (the one ``training_log`` reports; a list of one, read at log time)."""
+
+    def __init__(self, config: Optional[ExportCastConfig], telemetry: Optional[bool]):
+        self.config, self.telemetry = config, telemetry
+        self.wraps = Wraps()
+        self.optimizers: list = []
+
+
+_ACTIVE: Optional[_Activation] = None
 
 
 def _args_config() -> ExportCastConfig:
@@ -63,16 +76,17 @@ def _args_telemetry() -> bool:
 
 
 def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool] = None) -> None:
-    """Turn on ``--export-cast`` for everything built after this call (idempotent).
+    """Turn on ``--export-cast`` for everything built after this call (idempotent: a second call
+    only changes the settings). What it wraps, in this order (undone by :func:`deactivate`):
 
-    * adds the argument group to Megatron-LM's ``add_megatron_arguments`` when
-      ``megatron.training`` is importable (so ``parse_args`` knows the flags whatever
-      ``extra_args_provider`` the script passes);
-    * wraps ``get_megatron_optimizer`` in ``megatron.core.optimizer`` and in every loaded module
-      that imported it by name (e.g. ``megatron.training.training``): the optimizer it returns
-      gets :func:`install` with ``config``, or with the parsed arguments when ``config`` is None;
-    * wraps ``megatron.training.training.training_log`` (when importable) so that the drift
-      telemetry is written with Megatron's scalars (:func:`megatron_patches.telemetry.wrap_training_log`).
+    * Megatron-LM's ``add_megatron_arguments`` gets the argument group, when ``megatron.training``
+      is importable (so ``parse_args`` knows the flags whatever ``extra_args_provider`` the
+      script passes);
+    * ``get_megatron_optimizer``, in ``megatron.core.optimizer`` and in every loaded module that
+      imported it by name (e.g. ``megatron.training.training``): the optimizer it returns gets
+      :func:`install` with ``config``, or with the parsed arguments when ``config`` is None;
+    * ``megatron.training.training.training_log`` (when importable), so that the drift telemetry
+      is written with Megatron's scalars (:func:`megatron_patches.telemetry.wrap_training_log`).
 
     Args:
         config: the export-cast config to use; None reads ``megatron.training.get_args()`` at
@@ -81,32 +95,25 @@ def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool
             build time (:func:`megatron_patches.telemetry.logging_on`; False without
             ``megatron.training``).
     """
-    _ORIGINAL["config"], _ORIGINAL["telemetry"] = config, telemetry
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.config, _ACTIVE.telemetry = config, telemetry
+        return
+    active = _ACTIVE = _Activation(config, telemetry)
+    wraps = active.wraps
     try:
         from megatron.training import arguments
     except ImportError:
         arguments = None
-    if arguments is not None and "add_megatron_arguments" not in _ORIGINAL:
-        original_add = _ORIGINAL["add_megatron_arguments"] = arguments.add_megatron_arguments
-
-        @functools.wraps(original_add)
-        def add_megatron_arguments(parser, *args, **kwargs):
-            return add_export_cast_args(original_add(parser, *args, **kwargs))
-        arguments.add_megatron_arguments = add_megatron_arguments
+    if arguments is not None:
+        wraps.wrap(arguments, "add_megatron_arguments", _adds_export_cast_args)
 
     import megatron.core.optimizer as core_optimizer
-    original = _ORIGINAL.setdefault("get_megatron_optimizer", core_optimizer.get_megatron_optimizer)
-
-    @functools.wraps(original)
-    def get_megatron_optimizer(*args, **kwargs):
-        optimizer = original(*args, **kwargs)
-        model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[1]
-        chosen = _ORIGINAL["config"] if _ORIGINAL["config"] is not None else _args_config()
-        want = _ORIGINAL["telemetry"] if _ORIGINAL["telemetry"] is not None else _args_telemetry()
-        if install(optimizer, chosen, model_chunks, telemetry=want):
-            _OPTIMIZERS.append(optimizer)
-        return optimizer
-    get_megatron_optimizer._faircast = True
+    original = core_optimizer.get_megatron_optimizer
+    wrapper = _installs_fair_cast(active, original)
+    for module in list(sys.modules.values()):  # the modules that imported it by name (no lazy imports)
+        if getattr(module, "__dict__", {}).get("get_megatron_optimizer") is original:
+            wraps.set(module, "get_megatron_optimizer", wrapper)
 
     try:
         from megatron.training import training
@@ -114,9 +121,36 @@ def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool
         training = None
     if hasattr(training, "training_log"):
         from megatron_patches.telemetry import wrap_training_log
-        wrap_training_log(training, _OPTIMIZERS)
+        wrap_training_log(training, active.optimizers, wraps)
 
-    for module in list(sys.modules.values()):
-        current = getattr(module, "__dict__", {}).get("get_megatron_optimizer")  # no lazy imports
-        if current is original or getattr(current, "_faircast", False):
-            setattr(module, "get_megatron_optimizer", get_megatron_optimizer)
+
+def deactivate() -> None:
+    """Undo :func:`activate`: Megatron's own functions again (optimizers already built keep Fair
+    Cast until :func:`uninstall`). No-op when not active."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.wraps.uninstall()
+        _ACTIVE = None
+
+
+def _adds_export_cast_args(original_add):
+    """``add_megatron_arguments``: then :func:`add_export_cast_args`."""
+    @functools.wraps(original_add)
+    def add_megatron_arguments(parser, *args, **kwargs):
+        return add_export_cast_args(original_add(parser, *args, **kwargs))
+    return add_megatron_arguments
+
+
+def _installs_fair_cast(active: _Activation, original):
+    """``get_megatron_optimizer``: then :func:`install` on what it returns, with ``active``'s settings."""
+    @functools.wraps(original)
+    def get_megatron_optimizer(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[1]
+        chosen = active.config if active.config is not None else _args_config()
+        want = active.telemetry if active.telemetry is not None else _args_telemetry()
+        if install(optimizer, chosen, model_chunks, telemetry=want):
+            active.optimizers[:] = [optimizer]  # the one training_log reports
+        return optimizer
+    get_megatron_optimizer._faircast = True
+    return get_megatron_optimizer

@@ -11,6 +11,7 @@ import argparse
 from typing import Callable, Optional
 
 from faircast_dist import ExportCastConfig
+from faircast_dist.config import ConfigError
 
 GROUP_TITLE = "export cast (Fair Cast)"
 
@@ -75,10 +76,9 @@ def config_from_args(args) -> ExportCastConfig:
     seed = getattr(args, "export_cast_seed", 1234)
     try:
         config = ExportCastConfig(mode=mode, method=method, seed=seed)
-    except ValueError as err:
+    except ConfigError as err:
         flag = {"mode": "--export-cast", "method": "--export-cast-method", "seed": "--export-cast-seed"}
-        field = str(err).split(" ")[0].split(".")[-1]
-        raise ValueError(f"{flag.get(field, '--export-cast')}: {err}") from None
+        raise ValueError(f"{flag.get(err.field, '--export-cast')}: {err}") from None
     if config.enabled:
         from megatron_patches.optimizer import check_config
         check_config(args, where="the arguments")

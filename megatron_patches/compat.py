@@ -1,9 +1,17 @@
 """Everything that differs between the megatron-core versions we support (0.16.1 .. 0.19.2).
 
-The rest of :mod:`megatron_patches` goes through these few names only. Checked against
-megatron-core 0.16.1 (CI) and 0.19.2 (``bash tests/megatron_019.sh``). Between the two, the
-copy methods, group attribute names and checkpoint entry points used here are the same; 0.19
-adds FP4 params and ``_is_distopt_quantized_param`` (both refused by Fair Cast).
+The rest of :mod:`megatron_patches` reaches megatron-core's internals (private methods and
+attributes, the optimizers' group lists) through these names only; a maintainer upgrading Megatron
+reads this file and the list of wraps in :func:`megatron_patches.optimizer.install` /
+:func:`megatron_patches.activate`. Checked against megatron-core 0.16.1 (CI) and 0.19.2
+(``bash tests/megatron_019.sh``). Between the two, the copy methods, group attribute names and
+checkpoint entry points used here are the same; 0.19 adds FP4 params and
+``_is_distopt_quantized_param`` (both refused by Fair Cast).
+
+Seams: the master -> bf16 copy is its own method on every optimizer (:data:`COPY_TO_MODEL`, and
+:data:`COPY_TO_PARAM_BUFFER`, :data:`COPY_TO_MAIN`), wrapped per instance. The DistributedOptimizer's
+copy also writes fp32 params and quantizes FP8 ones in the same loop, so it runs with its bf16
+copies skipped (:class:`faircast_dist.copy_hook.ReplaceCopies`).
 """
 from __future__ import annotations
 
@@ -16,9 +24,64 @@ from megatron.core.optimizer.optimizer import (ChainedOptimizer, Float16Optimize
 
 __all__ = ["VERSION", "ShardedTensor", "ShardedTensorFactory", "DistributedOptimizer",
            "Float16OptimizerWithFloat16Params", "ChainedOptimizer", "FP32Optimizer",
-           "is_quantized_param", "uses_precision_aware_optimizer", "sub_optimizers"]
+           "is_quantized_param", "uses_precision_aware_optimizer", "sub_optimizers", "COPY_TO_MODEL",
+           "COPY_TO_PARAM_BUFFER", "COPY_TO_MAIN", "master_shards", "stock_copy_target", "bucket_params",
+           "data_parallel_group", "is_stub", "uses_megatron_fsdp"]
 
 VERSION = (package_info.MAJOR, package_info.MINOR, package_info.PATCH)
+
+#: the leaf optimizer's master -> model copy (``step_with_ready_grads`` calls it)
+COPY_TO_MODEL = "_copy_main_params_to_model_params"
+#: the DistributedOptimizer's copy into the param buffer (MXFP8 grad-buffer reuse), when present
+COPY_TO_PARAM_BUFFER = "_copy_main_params_to_param_buffer"
+#: model -> master (``reload_model_params``)
+COPY_TO_MAIN = "_copy_model_params_to_main_params"
+
+
+def master_shards(leaf) -> list[tuple[torch.nn.Parameter, torch.Tensor, int, int]]:
+    """``(model param, fp32 master shard, start, end)`` for each bf16 param this rank owns a master
+    of, in optimizer order: the shard is elements ``[start, end)`` of the flattened TP-local param
+    (DistributedOptimizer: the range this DP rank owns, a flat master; Float16 optimizer: the whole
+    param, a param-shaped master)."""
+    out = []
+    if isinstance(leaf, DistributedOptimizer):
+        for model_group, main_group in zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups):
+            for p, main in zip(model_group, main_group):
+                r = leaf._get_model_param_range_map(p)["param"]
+                out.append((p, main, r.start, r.end))
+    else:
+        for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+            out += [(p, main, 0, p.numel()) for p, main in zip(model_group, main_group)]
+    return out
+
+
+def stock_copy_target(leaf, param: torch.nn.Parameter) -> torch.Tensor:
+    """The flat bf16 tensor :data:`COPY_TO_MODEL` writes ``param``'s master shard into
+    (DistributedOptimizer: the owned range of the bucket's ``param_data``; else the param itself)."""
+    if not isinstance(leaf, DistributedOptimizer):
+        return param.data.view(-1)
+    world = leaf._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+    gbuf_index, _, bucket_id = leaf.model_param_gbuf_map[param]
+    return leaf.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start:world.end]
+
+
+def bucket_params(leaf) -> list[torch.nn.Parameter]:
+    """Every param in a DistributedOptimizer's grad buffers (all DP ranks' ranges)."""
+    return [p for buffer in leaf.buffers for p in buffer.param_index_map]
+
+
+def data_parallel_group(leaf):
+    """The process group a DistributedOptimizer shards its masters over."""
+    return leaf.data_parallel_group
+
+
+def is_stub(leaf) -> bool:
+    """A leaf with no params to optimize (e.g. frozen chunks)."""
+    return bool(getattr(leaf, "is_stub_optimizer", False))
+
+
+def uses_megatron_fsdp(leaf) -> bool:
+    return bool(getattr(getattr(leaf, "ddp_config", None), "use_megatron_fsdp", False))
 
 
 def is_quantized_param(optimizer, param: torch.Tensor) -> bool:

@@ -26,7 +26,9 @@ from typing import Callable, Iterator, Optional
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-from megatron_patches.compat import ShardedTensor, ShardedTensorFactory, sub_optimizers
+from faircast_dist.shards import from_bits, to_bits
+from megatron_patches import compat
+from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 
 __all__ = ["gather_full", "local_masters", "shards", "is_main_replica"]
 
@@ -93,11 +95,6 @@ def shards(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor],
             yield name, tuple(slice(o, o + n) for o, n in zip(offset, shape)), sh
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """int32 holding ``t``'s bit pattern (16-bit floats sign-extended from int16)."""
-    return t.view(torch.int16).to(torch.int32) if t.element_size() == 2 else t.view(torch.int32)
-
-
 def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], dst: Optional[int] = 0,
                 group=None, stacked: bool = False) -> Optional[dict]:
     """Full tensors ``{name: tensor}`` from each rank's TP-local tensors (collective).
@@ -133,7 +130,7 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
         meta[name] = (tuple(full.shape), sh.data.dtype)
         device = sh.data.device if device is None else device
         if is_main_replica(sh.replica_id):
-            full[index] = _bits(sh.data).view(full[index].shape).cpu()
+            full[index] = to_bits(sh.data).view(full[index].shape).cpu()
     everyone = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(everyone, meta, group=group)
     known = {k: v for d in everyone for k, v in d.items()}
@@ -154,7 +151,7 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
     for name in names:
         shape, dtype = known[name]
         part = flat[start:start + math.prod(shape)].view(shape)
-        out[name] = part.to(torch.int16).view(dtype) if dtype != torch.float32 else part.view(torch.float32)
+        out[name] = from_bits(part, dtype)
         start += part.numel()
     return out
 
@@ -174,28 +171,24 @@ def local_masters(optimizer, residuals: bool = False) -> dict:
         ValueError: ``residuals`` for a leaf without error-feedback residuals.
     """
     result = {}
-    for leaf in sub_optimizers(optimizer):
-        distributed = hasattr(leaf, "shard_fp32_from_float16_groups")
-        if not distributed and not hasattr(leaf, "fp32_from_float16_groups"):
+    for leaf in compat.sub_optimizers(optimizer):
+        distributed = isinstance(leaf, compat.DistributedOptimizer)
+        if not distributed and not isinstance(leaf, compat.Float16OptimizerWithFloat16Params):
             raise TypeError(f"{type(leaf).__name__} has no fp32 masters of 16-bit params")
         if residuals and not getattr(getattr(leaf, "export_cast", None), "residuals", None):
             raise ValueError(f"{type(leaf).__name__} has no Fair Cast error-feedback residuals")
-        groups = (zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups) if distributed
-                  else zip(leaf.float16_groups, leaf.fp32_from_float16_groups))
         owned = {}
-        for model_group, main_group in groups:
-            for p, main in zip(model_group, main_group):
-                value = leaf.export_cast.residuals[id(p)] if residuals else main
-                owned[id(p)] = (value.detach().float(),
-                                leaf._get_model_param_range_map(p)["param"] if distributed else None)
+        for p, main, start, end in compat.master_shards(leaf):
+            value = leaf.export_cast.residuals[id(p)] if residuals else main
+            owned[id(p)] = (value.detach().float(), start, end)
         if not distributed:
-            result.update({k: v for k, (v, _) in owned.items()})
+            result.update({k: v for k, (v, _, _) in owned.items()})
             continue
-        for p in (p for b in leaf.buffers for p in b.param_index_map):
+        for p in compat.bucket_params(leaf):
             bits = torch.zeros(p.numel(), dtype=torch.int32, device=p.device)
             if id(p) in owned:
-                value, r = owned[id(p)]
-                bits[r.start:r.end] = value.view(torch.int32)
-            torch.distributed.all_reduce(bits, group=leaf.data_parallel_group)
+                value, start, end = owned[id(p)]
+                bits[start:end] = value.view(torch.int32)
+            torch.distributed.all_reduce(bits, group=compat.data_parallel_group(leaf))
             result[id(p)] = bits.view(torch.float32).view(p.shape)
     return result

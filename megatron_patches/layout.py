@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from faircast_dist import fused
+from faircast_dist.shards import block_index, index_runs
 from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 
 _LAYERS = re.compile(r"(^|\.)layers\.")
@@ -97,7 +97,7 @@ class ParamLayout:
                 parts.append(torch.arange(lo - b.start, hi - b.start, dtype=torch.int64, device=device)
                              + b.base)
                 continue
-            parts.append(_block_range_index(b, lo - b.start, hi - b.start, device))
+            parts.append(block_index(b.global_shape, b.offset, b.local_shape, device, (lo - b.start, hi - b.start)))
         return torch.cat(parts)
 
     def runs(self, start: int, end: int, chunk: int = 1 << 22) -> list[tuple[int, int, int]]:
@@ -113,25 +113,13 @@ class ParamLayout:
             hi = min(lo + chunk, end)
             index = self.index(lo, hi)
             part = [(lo - start, hi - lo, index)] if isinstance(index, int) else \
-                [tuple(r) for r in fused.index_runs(index, lo - start).tolist()]
+                [tuple(r) for r in index_runs(index, lo - start).tolist()]
             for offset, numel, first in part:
                 if rows and rows[-1][0] + rows[-1][1] == offset and rows[-1][2] + rows[-1][1] == first:
                     rows[-1] = (rows[-1][0], rows[-1][1] + numel, rows[-1][2])  # a run cut by a chunk
                 else:
                     rows.append((offset, numel, first))
         return rows
-
-
-def _block_range_index(b: Block, lo: int, hi: int, device) -> torch.Tensor:
-    """Global flat indices of elements ``[lo, hi)`` of block ``b`` (row-major), as int64."""
-    local = torch.arange(lo, hi, dtype=torch.int64, device=device)
-    index = torch.zeros_like(local)
-    stride = 1
-    for g, o, n in zip(reversed(b.global_shape), reversed(b.offset), reversed(b.local_shape)):
-        index += (local % n + o) * stride
-        local = local // n
-        stride *= g
-    return index
 
 
 def _strip(key: str) -> str:

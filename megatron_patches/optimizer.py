@@ -10,7 +10,8 @@ then ``_copy_main_params_to_model_params`` writes each fp32 master into the bf16
   ``_copy_main_params_to_param_buffer`` (MXFP8 grad-buffer reuse) writes the same slices.
 * ``Float16OptimizerWithFloat16Params``: every rank writes its whole TP-local params.
 
-:func:`install` wraps those methods on the optimizer instance: every bf16 target the stock copy
+:func:`install` wraps those methods on the optimizer instance (the list is :func:`_wrap`;
+:func:`uninstall` undoes it): every bf16 target the stock copy
 writes gets the Fair Cast of the same master slice (one fused multi-tensor call for all master
 shards, see :func:`faircast_dist.fused.cast_tensors`), keyed by the param's canonical name and
 global element indices (:mod:`megatron_patches.layout`). The Float16 optimizer's stock copy is
@@ -42,8 +43,11 @@ from dataclasses import replace
 import torch
 
 from faircast_dist import ExportCastConfig, FairCaster
+from faircast_dist.caster import adopt_residuals
 from faircast_dist.copy_hook import ReplaceCopies
-from faircast_dist.telemetry import DriftSample, ExportTimer, sample_stride
+from faircast_dist.shards import from_bits, to_bits
+from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
+from faircast_dist.wraps import Wraps
 from megatron_patches import compat
 from megatron_patches.layout import ParamLayout, describe_model, model_entries
 
@@ -81,40 +85,22 @@ class MegatronExport:
         self.distributed = isinstance(optimizer, compat.DistributedOptimizer)
         self.layouts = layouts
         self.residuals = {}
-        if caster.method == "error_feedback":
+        if caster.method.needs_residual:
             self.residuals = {id(s.model_param): caster.new_residual(s.main) for s in self.shards()}
         self._internal_load = False
         self._runs = {}  # (id(model param), start, end) -> fused-cast segments of that shard
-        self.drift: DriftSample | None = None  # set by install(telemetry=True)
+        self.telemetry: ExportObserver = ExportObserver()  # a DriftObserver with install(telemetry=True)
         self._counted = {}  # shard key -> counts(shard)
-        self.timer = ExportTimer()
 
     # -- where the masters are ------------------------------------------------------------------
     def shards(self):
         """This rank's bf16 master shards, in optimizer order (a fresh list of :class:`_Shard`)."""
-        opt, out = self.optimizer, []
-        if self.distributed:
-            groups = zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
-        else:
-            groups = zip(opt.float16_groups, opt.fp32_from_float16_groups)
-        for model_group, main_group in groups:
-            for model_param, main in zip(model_group, main_group):
-                if self.distributed:
-                    r = opt._get_model_param_range_map(model_param)["param"]
-                    start, end = r.start, r.end
-                else:
-                    start, end = 0, model_param.numel()
-                out.append(_Shard(model_param, main, start, end, self.layouts[id(model_param)]))
-        return out
+        return [_Shard(p, main, start, end, self.layouts[id(p)])
+                for p, main, start, end in compat.master_shards(self.optimizer)]
 
     def _target(self, shard: _Shard) -> torch.Tensor:
         """The bf16 tensor the stock copy wrote for ``shard`` (flat view)."""
-        opt = self.optimizer
-        if not self.distributed:
-            return shard.model_param.data.view(-1)
-        world = opt._get_model_param_range_map(shard.model_param)["gbuf_world_in_bucket"]
-        gbuf_index, _, bucket_id = opt.model_param_gbuf_map[shard.model_param]
-        return opt.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start:world.end]
+        return compat.stock_copy_target(self.optimizer, shard.model_param)
 
     # -- the export -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -125,10 +111,8 @@ class MegatronExport:
         stock copy): each shard's segments are the runs of consecutive global indices (one for a
         contiguous range, one per row of a TP block split on a later dim).
         """
-        masters, outs, residuals, fragments, pieces = [], [], [], [], []
+        masters, outs, residuals, fragments = [], [], [], []
         shards = self.shards()
-        if self.drift is not None and shards:
-            self.timer.start(shards[0].main.device)
         for k, shard in enumerate(shards):
             masters.append(shard.main.detach().view(-1))
             outs.append(self._target(shard))
@@ -136,21 +120,24 @@ class MegatronExport:
                 raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {outs[-1].dtype}, not bfloat16")
             residual = self.residuals.get(id(shard.model_param))
             residuals.append(None if residual is None else residual.view(-1))
-            runs = self._shard_runs(shard)
-            fragments += [(k, *run) for run in runs]
-            key = (id(shard.model_param), shard.start, shard.end)
-            if self.drift is not None and key not in self._counted:
-                self._counted[key] = self.counts(shard)  # once per shard, not every step
-            if self.drift is not None and self._counted[key]:
-                pieces.append((key, masters[-1], outs[-1], runs))
-        if self.drift is not None and self.drift.previous is None:  # the first export (of this run or since a resume)
-            self.drift.prime(pieces, device=self.device())
+            fragments += [(k, *run) for run in self._shard_runs(shard)]
+
+        def pieces():  # what the telemetry counts: each element once over all ranks
+            return [((id(s.model_param), s.start, s.end), m, o, self._shard_runs(s))
+                    for s, m, o in zip(shards, masters, outs) if self._counts(s)]
+        self.telemetry.begin(pieces)
         if masters:  # a DP rank may own no bf16 range
-            self.caster.cast_tensors(masters, outs, fragments, residuals if self.residuals else None)
+            with self.telemetry.span(masters[0].device):
+                self.caster.cast_tensors(masters, outs, fragments, residuals if self.residuals else None)
         self.caster.advance()
-        if self.drift is not None:
-            self.timer.stop()
-            self.drift.observe(pieces, device=self.device())
+        self.telemetry.end(pieces)
+
+    def _counts(self, shard: _Shard) -> bool:
+        """:meth:`counts`, decided once per shard (not every step)."""
+        key = (id(shard.model_param), shard.start, shard.end)
+        if key not in self._counted:
+            self._counted[key] = self.counts(shard)
+        return self._counted[key]
 
     def counts(self, shard: _Shard) -> bool:
         """Whether this rank counts ``shard`` in the drift telemetry: each element once over all
@@ -189,13 +176,53 @@ class MegatronExport:
         for r in self.residuals.values():
             r.zero_()
 
+    # -- the wraps (listed by _wrap, each ``original -> replacement``) ----------------------------
+    def wrap_copy_skipping_stock(self, copy):
+        """DistributedOptimizer's copy: run it without its bf16 copies, then :meth:`export`."""
+        @functools.wraps(copy)
+        def copy_then_cast(*args, **kwargs):
+            with self.skip_stock_copies():
+                result = copy(*args, **kwargs)
+            self.export()
+            return result
+        return copy_then_cast
+
+    def wrap_sharded_state_dict(self, sharded_state_dict):
+        """``sharded_state_dict``: add this optimizer's export-cast entry (:meth:`sharded_state`)."""
+        @functools.wraps(sharded_state_dict)
+        def fair_sharded_state_dict(model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+            self._internal_load = True  # DistOpt calls load_state_dict(state_dict()) in here
+            try:
+                if model_sharded_state_dict is None:
+                    state = sharded_state_dict(is_loading=is_loading, *args, **kwargs)
+                else:
+                    state = sharded_state_dict(model_sharded_state_dict, is_loading, *args, **kwargs)
+            finally:
+                self._internal_load = False
+            state[STATE_KEY] = self.sharded_state(model_sharded_state_dict, is_loading)
+            return state
+        return fair_sharded_state_dict
+
+    def wrap_load_state_dict(self, load_state_dict):
+        """``load_state_dict``: take the export-cast entry out, load the rest, then :meth:`load` it."""
+        @functools.wraps(load_state_dict)
+        def fair_load_state_dict(state_dict):
+            saved = None
+            if isinstance(state_dict, dict) and STATE_KEY in state_dict:
+                saved = state_dict[STATE_KEY]
+                state_dict = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+            result = load_state_dict(state_dict)
+            self.load(saved)
+            return result
+        return fair_load_state_dict
+
     # -- checkpoints ----------------------------------------------------------------------------
     def _all_params(self):
         """(model param, layout) for every bf16 param this optimizer handles on any DP rank."""
         if not self.distributed:
             return [(s.model_param, s.layout) for s in self.shards()]
-        return [(p, self.layouts[id(p)]) for buffer in self.optimizer.buffers
-                for p in buffer.param_index_map if id(p) in self.layouts and p.dtype == torch.bfloat16]
+        return [(p, self.layouts[id(p)]) for p in compat.bucket_params(self.optimizer)
+                if id(p) in self.layouts and p.dtype == torch.bfloat16]
 
     def _full_residual(self, param, shards_by_param) -> torch.Tensor:
         """The TP-local param's whole residual (collective over the DP group for DistOpt)."""
@@ -205,15 +232,15 @@ class MegatronExport:
         dtype = compat_residual_dtype(self.caster)
         bits = torch.zeros(param.numel(), dtype=torch.int32, device=param.device)  # the DP group's device
         if shard is not None:
-            bits[shard.start:shard.end] = _to_bits(self.residuals[id(param)])
+            bits[shard.start:shard.end] = to_bits(self.residuals[id(param)].view(-1))
         # disjoint ranges, zeros elsewhere: an integer sum is an exact gather
-        torch.distributed.all_reduce(bits, group=self.optimizer.data_parallel_group)
-        return _from_bits(bits, dtype).view(param.shape)
+        torch.distributed.all_reduce(bits, group=compat.data_parallel_group(self.optimizer))
+        return from_bits(bits, dtype).view(param.shape)
 
     def sharded_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
         """This optimizer's export-cast entry for its ``sharded_state_dict`` (see module doc)."""
-        state = {"step": self.caster.step, "method": self.caster.method}
-        if self.caster.method != "error_feedback":
+        state = {"step": self.caster.step, "method": self.caster.method.value}  # a plain str in the checkpoint
+        if not self.caster.method.needs_residual:
             return state
         entries = model_entries(self.model_chunks, model_sharded_state_dict or None)
         shards = {id(s.model_param): s for s in self.shards()}
@@ -248,15 +275,14 @@ class MegatronExport:
                                STATE_KEY)
             return
         self.caster.step = int(state["step"])
-        if self.drift is not None:  # the served model is replaced: the next export primes again
-            self.drift.reset()
-        if self.caster.method != "error_feedback":
-            return
+        self.telemetry.reset()  # the served model is replaced: the next export primes again
         saved = state.get("residual") or {}
-        if state.get("method") != "error_feedback" or not saved:
-            logger.warning("Fair Cast: checkpoint has no error-feedback residuals (method %r); "
-                           "starting from zero residuals", state.get("method"))
+        action, warning = adopt_residuals(self.caster.method, state.get("method") == "error_feedback" and bool(saved))
+        if warning is not None:
+            logger.warning("Fair Cast: %s (checkpoint method %r)", warning, state.get("method"))
+        if action == "zero":
             self.reset_residuals()
+        if action != "keep":
             return
         for shard in self.shards():
             full = saved.get(shard.layout.name)
@@ -273,18 +299,6 @@ class MegatronExport:
 def compat_residual_dtype(caster: FairCaster) -> torch.dtype:
     from faircast_dist.config import RESIDUAL_DTYPES
     return RESIDUAL_DTYPES[caster.config.residual_dtype]
-
-
-def _to_bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.float32:
-        return t.view(-1).view(torch.int32)
-    return t.view(-1).view(torch.int16).to(torch.int32) & 0xFFFF
-
-
-def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.float32:
-        return bits.view(torch.float32)
-    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype)
 
 
 def check_config(config, where: str = "OptimizerConfig") -> None:
@@ -324,7 +338,7 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
         config: the export-cast config; with mode ``nearest`` nothing is changed (stock).
         model_chunks: the list of (DDP-wrapped) model chunks the optimizer was built for.
         telemetry: measure drift at every export (a :class:`~faircast_dist.telemetry.DriftSample`
-            per leaf, read with :func:`megatron_patches.telemetry.drift_metrics`); then this call
+            observer per leaf, read with :func:`megatron_patches.telemetry.drift_metrics`); then this call
             is collective over the default process group (one all-reduce of the model size).
         sample: about how many elements of the whole model the telemetry watches.
         max_lag: K, past master samples kept for ``lag_steps``.
@@ -340,13 +354,13 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
     """
     if not config.enabled:
         return []
-    leaves = [o for o in compat.sub_optimizers(optimizer) if not getattr(o, "is_stub_optimizer", False)]
+    leaves = [o for o in compat.sub_optimizers(optimizer) if not compat.is_stub(o)]
     for leaf in leaves:
         check_config(leaf.config)
         if not isinstance(leaf, (compat.DistributedOptimizer, compat.Float16OptimizerWithFloat16Params)):
             raise NotImplementedError(f"--export-cast fair supports DistributedOptimizer and "
                                       f"Float16OptimizerWithFloat16Params, not {type(leaf).__name__}")
-        if getattr(getattr(leaf, "ddp_config", None), "use_megatron_fsdp", False):
+        if compat.uses_megatron_fsdp(leaf):
             raise NotImplementedError("--export-cast fair does not support Megatron FSDP (--use-megatron-fsdp)")
     layouts = describe_model(model_chunks)
     exports = []
@@ -366,7 +380,7 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
 
 
 def _start_telemetry(exports: list[MegatronExport], sample: int, max_lag: int) -> None:
-    """Give every export a DriftSample with a stride from the whole model's size (collective)."""
+    """Give every export a DriftObserver with a stride from the whole model's size (collective)."""
     counted = sum(s.end - s.start for e in exports for s in e.shards() if e.counts(s))
     device = exports[0].device() if exports else torch.device("cpu")
     total = torch.tensor([counted], dtype=torch.int64, device=device)
@@ -374,65 +388,41 @@ def _start_telemetry(exports: list[MegatronExport], sample: int, max_lag: int) -
         torch.distributed.all_reduce(total)
     stride = sample_stride(int(total.item()), sample)
     for export in exports:
-        export.drift = DriftSample(stride, max_lag)
+        export.telemetry = DriftObserver(stride, max_lag, device=export.device())
 
 
 def _wrap(leaf, export: MegatronExport) -> None:
-    """Wrap the leaf optimizer's copy, reload and checkpoint methods (on the instance)."""
-
-    def after(method_name, then):
-        original = getattr(leaf, method_name)
-
-        @functools.wraps(original)
-        def wrapped(*args, **kwargs):
-            result = original(*args, **kwargs)
-            then()
-            return result
-        setattr(leaf, method_name, wrapped)
-
+    """Every point Fair Cast wraps on a leaf optimizer, in one list (undone by :func:`uninstall`);
+    the private names are in :mod:`megatron_patches.compat`."""
+    wraps = export.wraps = Wraps()
     if export.distributed:
         # the stock copy also writes the fp32 params' shards (and quantizes FP8 ones) in the same
         # loop: it runs, without its bf16 copies (ReplaceCopies), then Fair Cast writes those
-        copy = leaf._copy_main_params_to_model_params
-
-        @functools.wraps(copy)
-        def copy_then_cast(*args, **kwargs):
-            with export.skip_stock_copies():
-                result = copy(*args, **kwargs)
-            export.export()
-            return result
-        leaf._copy_main_params_to_model_params = copy_then_cast
+        wraps.wrap(leaf, compat.COPY_TO_MODEL, export.wrap_copy_skipping_stock)
     else:
         # the stock copy writes exactly the bf16 params Fair Cast writes: replaced, not repeated
-        leaf._copy_main_params_to_model_params = export.export
-    if hasattr(leaf, "_copy_main_params_to_param_buffer"):
-        after("_copy_main_params_to_param_buffer", export.export)
-    after("_copy_model_params_to_main_params", export.reset_residuals)
+        wraps.set(leaf, compat.COPY_TO_MODEL, export.export)
+    if hasattr(leaf, compat.COPY_TO_PARAM_BUFFER):
+        wraps.wrap(leaf, compat.COPY_TO_PARAM_BUFFER, functools.partial(_then, export.export))
+    wraps.wrap(leaf, compat.COPY_TO_MAIN, functools.partial(_then, export.reset_residuals))
+    wraps.wrap(leaf, "sharded_state_dict", export.wrap_sharded_state_dict)
+    wraps.wrap(leaf, "load_state_dict", export.wrap_load_state_dict)
+    wraps.set(leaf, "export_cast", export)
 
-    sharded_state_dict, load_state_dict = leaf.sharded_state_dict, leaf.load_state_dict
 
-    @functools.wraps(sharded_state_dict)
-    def fair_sharded_state_dict(model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
-        export._internal_load = True  # DistOpt calls load_state_dict(state_dict()) in here
-        try:
-            if model_sharded_state_dict is None:
-                state = sharded_state_dict(is_loading=is_loading, *args, **kwargs)
-            else:
-                state = sharded_state_dict(model_sharded_state_dict, is_loading, *args, **kwargs)
-        finally:
-            export._internal_load = False
-        state[STATE_KEY] = export.sharded_state(model_sharded_state_dict, is_loading)
-        return state
-
-    @functools.wraps(load_state_dict)
-    def fair_load_state_dict(state_dict):
-        saved = None
-        if isinstance(state_dict, dict) and STATE_KEY in state_dict:
-            saved = state_dict[STATE_KEY]
-            state_dict = {k: v for k, v in state_dict.items() if k != STATE_KEY}
-        result = load_state_dict(state_dict)
-        export.load(saved)
+def _then(then, original):
+    """``original``, then ``then()`` (the result is ``original``'s)."""
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        then()
         return result
+    return wrapped
 
-    leaf.sharded_state_dict, leaf.load_state_dict = fair_sharded_state_dict, fair_load_state_dict
-    leaf.export_cast = export
+
+def uninstall(optimizer) -> None:
+    """Undo :func:`install` on every leaf of ``optimizer``: the stock methods again (the bf16 model
+    keeps what was served). No-op on a leaf without Fair Cast."""
+    for leaf in compat.sub_optimizers(optimizer):
+        while "export_cast" in vars(leaf):  # installed twice (e.g. activate(), then install()): all of them
+            leaf.export_cast.wraps.uninstall()

@@ -24,6 +24,7 @@ import functools
 import inspect
 import warnings
 
+from faircast_dist.wraps import Wraps
 from megatron_patches import compat
 
 NAMES = {"changed_fraction": "export-cast/changed-fraction", "lag_steps": "export-cast/lag-steps",
@@ -43,12 +44,12 @@ def drift_metrics(optimizer) -> dict[str, float] | None:
         "export-cast/gap-ulps": ulps, "export-cast/export-ms": ms}``; None when telemetry is off
         or nothing was exported yet (the same on every rank).
     """
-    from faircast_dist.telemetry import reduce_drift
-    exports = [leaf.export_cast for leaf in compat.sub_optimizers(optimizer)
-               if getattr(getattr(leaf, "export_cast", None), "drift", None) is not None]
-    if not exports or exports[0].drift.last is None:
+    from faircast_dist.telemetry import DriftObserver, reduce_drift
+    observers = [o for o in (getattr(getattr(leaf, "export_cast", None), "telemetry", None)
+                             for leaf in compat.sub_optimizers(optimizer)) if isinstance(o, DriftObserver)]
+    if not observers or observers[0].sample.last is None:
         return None
-    values = reduce_drift([e.drift for e in exports], sum(e.timer.ms() for e in exports))
+    values = reduce_drift([o.sample for o in observers], sum(o.timer.ms() for o in observers))
     return {NAMES[k]: v for k, v in values.items()}
 
 
@@ -68,7 +69,7 @@ def logging_on(args) -> bool:
                 and (getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)))
 
 
-def wrap_training_log(training, optimizers: list) -> None:
+def wrap_training_log(training, optimizers: list, wraps=None) -> None:
     """Make Megatron-LM's ``training.training_log`` also write the drift of ``optimizers[-1]``.
 
     ``train()`` calls ``training_log`` on every rank after every iteration; at iterations that are
@@ -78,7 +79,8 @@ def wrap_training_log(training, optimizers: list) -> None:
 
     Args:
         training: the module ``megatron.training.training``.
-        optimizers: a list the caller appends each optimizer it builds to (read at log time).
+        optimizers: a list holding the optimizer to report (read at log time; empty: nothing).
+        wraps: the :class:`~faircast_dist.wraps.Wraps` that records the wrap (to undo it), if any.
     """
     original = training.training_log
     if getattr(original, "_faircast", False):
@@ -100,4 +102,4 @@ def wrap_training_log(training, optimizers: list) -> None:
                 write_drift(metrics, iteration, global_vars.get_tensorboard_writer(), global_vars.get_wandb_writer())
         return result
     training_log._faircast = True
-    training.training_log = training_log
+    (wraps or Wraps()).set(training, "training_log", training_log)

@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from faircast_dist import cast_error_feedback, cast_nearest, cast_stochastic, derive_key, fused
+from faircast_dist import derive_key, fused
+from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic  # the plain-torch reference
 
 
 def sync(device):

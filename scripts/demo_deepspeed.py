@@ -128,7 +128,7 @@ def main(argv=None):
     if rank == 0:
         start = ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32, then bf16 (DeepSpeed masters start on "
                  "the bf16 grid)" if args.model == "smollm2" else "tiny random Llama")
-        summarize(records, args.trainer_cast, args.out_dir, trainer_matches, notes=(f"Start weights: {start}",))
+        summarize(records, args.trainer_cast, args.out_dir, trainer_matches, notes=(f"Start weights: {start}", exports.load_note))
     dist.barrier()
     engine.destroy()
     dist.destroy_process_group()

@@ -240,7 +240,7 @@ def main(argv=None):
         start = ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32, then bf16 (Megatron masters start on "
                  "the bf16 grid)" if args.model == "smollm2" else "tiny random Llama (3 KV groups)")
         notes = ([f"KV-group padding for TP still exactly zero in the master at every step: {padding_zero}"]
-                 if masks else []) + [f"Start weights: {start}"]
+                 if masks else []) + [f"Start weights: {start}", exports.load_note]
         if live[0] is not None:  # the trainer's own telemetry: what TensorBoard / W&B get
             mine = [r for r in records if r["method"] == trainer_cast]
             mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731

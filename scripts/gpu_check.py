@@ -132,7 +132,8 @@ def random_rows(n: int, g: torch.Generator, high: bool) -> list[tuple[int, int, 
 
 # ---------------------------------------------------------------------------------------- kernels
 def kernel_checks(device: torch.device, n: int, backend: str = "auto") -> None:
-    from faircast_dist import FairCaster, block_index, cast_error_feedback, cast_stochastic, derive_key, fused
+    from faircast_dist import FairCaster, block_index, derive_key, fused
+    from faircast_dist.rounding import cast_error_feedback, cast_stochastic  # the reference the kernels must match
     os.environ[fused.BACKEND_ENV] = backend  # every cast below, FairCaster's too, uses it
     backend = fused.resolve_backend(device)
     x = fp32_patterns(n, 0)

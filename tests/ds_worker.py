@@ -2,7 +2,7 @@
 
 ``run(world_size, **options)`` spawns ``world_size`` ranks; rank 0 returns what it recorded.
 Every rank gets the same micro-batch and one thread, so stock ZeRO-1/2 is bitwise identical at
-DP=1 and DP=2 (DESIGN.md), and any difference comes from the export cast.
+DP=1 and DP=2 (docs/design.md), and any difference comes from the export cast.
 """
 from __future__ import annotations
 
@@ -125,17 +125,28 @@ def _worker(rank, world_size, port, opts, out_path):
     else:
         model = tiny_model()
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
+    restored = None
+    if opts["uninstall"]:  # Fair Cast installed, then uninstalled: stock DeepSpeed from here on
+        from deepspeed.runtime import bf16_optimizer, utils
+        from deepspeed.runtime.zero import stage_1_and_2
+        deepspeed_hooks.uninstall(engine)
+        wrapped = ("step", "state_dict", "load_state_dict", "export_caster", "fair_export",
+                   "_reassign_or_swap_out_partitioned_parameters")
+        restored = (not any(n in vars(engine.optimizer) for n in wrapped)
+                    and not any(n in vars(engine) for n in ("save_checkpoint", "load_checkpoint", "step"))
+                    and stage_1_and_2.all_gather_dp_groups is utils.all_gather_dp_groups
+                    and bf16_optimizer.all_gather_dp_groups is utils.all_gather_dp_groups)
     export = getattr(engine.optimizer, "fair_export", None)
     if opts["monitor_sample"]:  # watch a smaller sample than the default (the tiny model is smaller)
         from deepspeed_hooks.monitor import DriftMonitor
-        export.drift = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names),
+        export.telemetry = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names),
                                     sample=opts["monitor_sample"])
     first = 0
     if opts["load_dir"]:
         engine.load_checkpoint(opts["load_dir"], tag=opts["load_tag"])
         first = engine.global_steps
     record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0, "master_copies": 0,
-              "optimizer": type(engine.optimizer).__name__}
+              "optimizer": type(engine.optimizer).__name__, "restored": restored}
     device = engine.device
 
     def snapshot():
@@ -222,7 +233,7 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
         load_tag: str | None = None, preset: tuple = (), save_at: tuple = (),
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
         monitor_sample: int | None = None, zero_extra: dict | None = None, save_final: bool = True,
-        device: str = "cpu") -> list[dict]:
+        device: str = "cpu", uninstall: bool = False) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
@@ -232,12 +243,14 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
     deepspeed.initialize) or None (stock deepspeed.initialize).
 
     ``save_at``: steps before which to save into ``save_dir``; ``save_final``: also save after the
-    last step. ``device``: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r).
+    last step. ``device``: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r). ``uninstall``: call
+    ``deepspeed_hooks.uninstall`` right after initialize (``record["restored"]``: every wrap is gone).
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
                 save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
-                monitor_sample=monitor_sample, zero_extra=zero_extra, save_final=save_final, device=device)
+                monitor_sample=monitor_sample, zero_extra=zero_extra, save_final=save_final, device=device,
+                uninstall=uninstall)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         for attempt in range(3):

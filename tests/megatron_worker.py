@@ -81,9 +81,11 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
         optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
     else:
         optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
-        if how == "install":
+        if how in ("install", "uninstall"):
             megatron_patches.install(optimizer, config, [model], telemetry=telemetry is not None,
                                      sample=telemetry or 1)  # how == "none": stock
+        if how == "uninstall":  # installed, then undone: stock from here on
+            megatron_patches.uninstall(optimizer)
     return model, optimizer, cfg
 
 
@@ -293,6 +295,9 @@ def _run_job(tp, pp, job: dict) -> dict:
         record["error"] = f"{type(err).__name__}: {err}"
         return record
     record["installed"] = [type(e.optimizer).__name__ for e in exports(optimizer)]
+    record["instance_wraps"] = sorted({n for leaf in leaves(optimizer) for n in vars(leaf) if n in (
+        "_copy_main_params_to_model_params", "_copy_main_params_to_param_buffer", "_copy_model_params_to_main_params",
+        "sharded_state_dict", "load_state_dict", "export_cast")})
     if job.get("load"):
         load(model, optimizer, job["load"], job.get("sharding", "dp_reshardable"))
         record["loaded"] = snapshot(model, optimizer, ef)
@@ -314,7 +319,8 @@ def _run_job(tp, pp, job: dict) -> dict:
     prev = record["start"] = record.get("loaded") or snapshot(model, optimizer, ef)
     first = job.get("first", 0)
     record["drift"] = []
-    record["drift_on"] = [e.drift is not None for e in exports(optimizer)]
+    from faircast_dist.telemetry import DriftObserver
+    record["drift_on"] = [isinstance(e.telemetry, DriftObserver) for e in exports(optimizer)]
     for k in range(job.get("steps", 0)):
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
         with CopyProbe(optimizer) as probe:

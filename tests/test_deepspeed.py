@@ -139,6 +139,18 @@ def test_off_is_stock_deepspeed():
     assert any(not torch.equal(bits(fair["bf16"][3][n]), bits(stock["bf16"][3][n])) for n in fair["bf16"][3])
 
 
+@pytest.mark.parametrize("path,monitor", [("zero2", True), ("zero3", False), ("bf16_optimizer", False)])
+def test_install_then_uninstall_is_stock_deepspeed(path, monitor, tmp_path):
+    """Every wrap install() makes (optimizer, engine, module-global gather) is undone by uninstall():
+    training afterwards is stock DeepSpeed, bit for bit."""
+    stock = run(2, path=path, export_cast=None, hook=None)[0]
+    undone = run(2, path=path, export_cast=SR, uninstall=True, monitor_dir=str(tmp_path) if monitor else None)[0]
+    assert undone["restored"] is True and undone["method"] is None
+    for step in range(len(stock["bf16"])):
+        assert_same(stock["bf16"][step], undone["bf16"][step])
+        assert_same(stock["master"][step], undone["master"][step])
+
+
 def test_patch_deepspeed_makes_stock_initialize_honour_the_key():
     patched = run(2, export_cast=SR, hook="patch", steps=STEPS)[0]
     assert patched["method"] == "stochastic" and patched["mismatch"] == 0

@@ -12,7 +12,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # (conftest sets it first; kept 
 import pytest
 import torch
 
-from faircast_dist import block_index, cast_stochastic, derive_key, fused
+from faircast_dist import block_index, derive_key, fused
+from faircast_dist.rounding import cast_stochastic  # the reference: the kernels are tested against it
 from faircast_dist.rounding import BF16_MAX
 from test_philox import KAT, python_philox
 from test_rounding import TINY_SUB, random_fp32_patterns
@@ -153,7 +154,7 @@ def test_nan_stays_nan_with_sign_and_inf_saturation(backend):
     x = special_values()
     key = derive_key(0, 0, "edge")
     out, res = torch.empty(x.shape, dtype=torch.bfloat16), torch.zeros(x.shape)
-    for method in fused.METHODS:
+    for method in fused.KERNELS:
         fused.cast_flat(method, x, out, [(0, x.numel(), 3, *key)], res, backend=backend)
         nan = torch.isnan(x)
         assert torch.isnan(out[nan]).all() and torch.isfinite(out[torch.isfinite(x)]).all()
@@ -306,7 +307,7 @@ def test_caster_cast_flat_equals_cast_per_fragment(method):
         want = torch.zeros(x.shape, dtype=torch.bfloat16)
         for name, start, numel, index in frags:
             s = slice(start, start + numel)
-            ref_caster.cast(name, x[s], index, out=want[s], residual=ref_res[s])
+            ref_caster.cast(name, x[s], index, out=want[s], residual=ref_res[s], backend="reference")
         assert_same_bits(out, want)
         assert torch.equal(res, ref_res)
         flat_caster.advance()
@@ -332,3 +333,30 @@ def test_without_a_compiler_the_reference_runs_after_one_warning(monkeypatch):
         warnings.simplefilter("error")  # only one warning
         out = fused.cast_flat("stochastic", x, torch.empty(x.shape, dtype=torch.bfloat16), [(0, x.numel(), 5, *key)])
     assert_same_bits(out, cast_stochastic(x, key, 5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_public_casts_are_fused_and_equal_the_reference(backend):
+    """faircast_dist.cast_stochastic / cast_error_feedback (the fast casts, any shape) give the
+    reference's bits: int and tensor (strided TP block) indices, non-contiguous master and out."""
+    import faircast_dist
+    from faircast_dist import rounding
+    assert faircast_dist.cast_stochastic is fused.cast_stochastic
+    assert faircast_dist.cast_error_feedback is fused.cast_error_feedback
+    shape = (24, 40) if backend == "triton" else (96, 200)
+    x = inputs(shape[0] * shape[1], 11)[:shape[0] * shape[1]].view(shape)
+    key = derive_key(5, 2, "w")
+    cols = shape[1] // 4
+    block = block_index((shape[0], shape[1] * 3), (0, cols), shape)  # a row-parallel TP shard: runs per row
+    for master, index in [(x, 0), (x, 2**33 + 5), (x.t(), 7), (x, block)]:
+        out = torch.zeros(master.shape[::-1], dtype=torch.bfloat16).t()  # non-contiguous out
+        got = faircast_dist.cast_stochastic(master, key, index, out=out, backend=backend)
+        assert got is out
+        assert_same_bits(got, rounding.cast_stochastic(master, key, index))
+    for dtype in (torch.float32, torch.bfloat16):
+        res = (torch.randn(shape) * 1e-3).to(dtype)
+        ref_res = res.clone()
+        for _ in range(2):
+            got = faircast_dist.cast_error_feedback(x, res, backend=backend)
+            assert_same_bits(got, rounding.cast_error_feedback(x, ref_res))
+            assert torch.equal(bits(res), bits(ref_res))

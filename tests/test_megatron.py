@@ -1,7 +1,7 @@
 """Fair Cast in megatron-core: real gloo processes (2-4 ranks) on a tiny GPT (SwiGLU, tied
 embeddings), through the CPU shim in ``tests/megatron_shim.py``.
 
-Layouts are compared by what the export must be (DESIGN.md, "Testing the invariants"):
+Layouts are compared by what the export must be (docs/design.md, "Testing the invariants"):
 
 * one fixed master (+ residual) state, placed in each layout by Megatron's own checkpoint
   metadata and DistOpt ranges, must export bitwise the same full bf16 model everywhere;
@@ -48,6 +48,7 @@ def _jobs(layout):
     jobs.update({f"{m}_train": dict(export_cast=c, distopt=distopt, steps=2) for m, c in METHODS.items()})
     if layout == (1, 1, 1, True):
         jobs["stock"] = dict(export_cast=None, distopt=True, steps=3, how="none")
+        jobs["uninstalled"] = dict(export_cast=SR, distopt=True, steps=3, how="uninstall")
         jobs["nearest"] = dict(export_cast={"mode": "nearest", "method": "error_feedback"}, distopt=True, steps=3)
         jobs["activate_nearest"] = dict(export_cast="nearest", distopt=True, steps=3, how="activate")
         jobs["activate_fair"] = dict(export_cast=SR, distopt=True, steps=3, how="activate")
@@ -169,6 +170,17 @@ def test_nearest_and_unset_are_stock_megatron_bit_for_bit():
     assert fair["installed"] == ["DistributedOptimizer"] and fair["mismatch"] == 0
     assert any(not torch.equal(fair["snaps"][-1]["served"][k], stock["snaps"][-1]["served"][k])
                for k in stock["snaps"][-1]["served"])
+
+
+def test_install_then_uninstall_is_stock_megatron_bit_for_bit():
+    """uninstall() undoes every wrap install() made on the leaf optimizers: training afterwards is
+    stock megatron-core, bit for bit."""
+    records = layout_run(LAYOUTS[0])
+    stock, undone = records["stock"], records["uninstalled"]
+    assert undone["installed"] == [] and undone["instance_wraps"] == stock["instance_wraps"] == []
+    for a, b in zip(stock["snaps"], undone["snaps"]):
+        assert_same(a["served"], b["served"], "uninstalled")
+        assert_same(a["master"], b["master"], "uninstalled")
 
 
 @pytest.mark.parametrize("layout", [params(l) for l in LAYOUTS])

@@ -91,7 +91,7 @@ def fake_megatron_training(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(megatron, "training", fake.package, raising=False)
     monkeypatch.setattr(core_optimizer, "get_megatron_optimizer", core_optimizer.get_megatron_optimizer)
-    monkeypatch.setattr(megatron_patches, "_ORIGINAL", {})
+    monkeypatch.setattr(megatron_patches, "_ACTIVE", None)
     fake.core_optimizer = core_optimizer
     return fake
 

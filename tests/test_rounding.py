@@ -1,5 +1,5 @@
 """The casts: exactness of nearest, the statistics that define stochastic / dithered rounding and
-error feedback, shard invariance and IEEE edge cases (DESIGN.md invariants 1 and 5).
+error feedback, shard invariance and IEEE edge cases (docs/design.md invariants 1 and 5).
 
 Stochastic and dithered rounding are the same cast with different Philox keys; the tests that
 take ``method`` run both through :class:`FairCaster` (its key choice included)."""
