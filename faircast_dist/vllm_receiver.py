@@ -171,8 +171,13 @@ def _push(worker, weights: list[tuple[str, torch.Tensor]], repack_head: bool) ->
         for lg in loggers:
             lg.removeFilter(quiet)
     if repack_head:
-        head = _model(worker).lm_head
-        head.quant_method.process_weights_after_loading(head)
+        _repack_head(worker)
+
+
+def _repack_head(worker) -> None:
+    """Rebuild the tied head's kernel copy of the embedding (the CPU backend packs it once, at load)."""
+    head = _model(worker).lm_head
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _patch(worker, patches: list[tuple[str, tuple, torch.Tensor, torch.Tensor]], repack_head: bool) -> None:
@@ -185,8 +190,7 @@ def _patch(worker, patches: list[tuple[str, tuple, torch.Tensor, torch.Tensor]],
     load_checkpoint_weight_patches(_model(worker), [CheckpointWeightPatch(n, shape, torch.bfloat16, v, i)
                                                     for n, shape, i, v in patches])
     if repack_head:
-        head = _model(worker).lm_head
-        head.quant_method.process_weights_after_loading(head)
+        _repack_head(worker)
 
 
 # ----------------------------------------------------------------------------- trainer side
