@@ -18,7 +18,7 @@ import os
 
 import deepspeed
 from deepspeed import comm as dist
-from deepspeed.utils import logger
+from deepspeed.utils.logging import print_dist
 
 from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.config import ConfigError
@@ -50,9 +50,15 @@ def install(engine) -> FairCaster | None:
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` whose config may hold ``"export_cast"``.
 
+    Engines whose optimizer updates nothing (a reference, reward or frozen model built from a copy
+    of the training config, see :func:`deepspeed_hooks.compat.updates_nothing`) are left stock.
+    Either way one line on rank 0 says what was done, printed whatever DeepSpeed's log level
+    (``print_dist``, DeepSpeed's way for messages its default WARNING level would hide).
+
     Returns:
         The engine's :class:`FairCaster` (also at ``engine.optimizer.export_caster``), or None
-        when the config does not enable Fair Cast (then nothing is changed: stock behaviour).
+        when the config does not enable Fair Cast or the engine trains nothing (then nothing is
+        changed: stock behaviour).
 
     Raises:
         ValueError: bad ``export_cast`` section; ``fair`` without bf16 or with fp16.
@@ -66,6 +72,10 @@ def install(engine) -> FairCaster | None:
         raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}": mode "fair" needs "bf16": {{"enabled": true}} '
                          f'(fp16 enabled: {engine.fp16_enabled()}, bf16 enabled: {engine.bfloat16_enabled()})')
     from deepspeed_hooks import compat, stage0, stage3, zero12
+    idle = compat.updates_nothing(engine)
+    if idle is not None:
+        print_dist(f"Fair Cast: left stock (round-to-nearest) on this engine: {idle}", ranks=[0])
+        return None
     caster, optimizer = FairCaster(config), engine.optimizer
     path = compat.wrapper_path(optimizer)
     export = {"zero12": zero12, "stage0": stage0, "zero3": stage3}[path].attach(optimizer, caster, engine.param_names)
@@ -88,8 +98,8 @@ def install(engine) -> FairCaster | None:
         from deepspeed_hooks.monitor import DriftMonitor
         export.telemetry = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names))
         wraps.wrap(engine, "step", functools.partial(_step_reports_drift, engine, export))
-    logger.info(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) "
-                f"on {type(optimizer).__name__}")
+    print_dist(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) on "
+               f"{type(optimizer).__name__}, replacing its round-to-nearest fp32->bf16 copy", ranks=[0])
     return caster
 
 

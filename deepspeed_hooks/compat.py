@@ -27,7 +27,9 @@ from deepspeed.runtime import bf16_optimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.utils import DummyOptim
 from deepspeed.runtime.zero import stage_1_and_2
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -52,6 +54,26 @@ def wrapper_path(optimizer) -> str:
             return path
     raise NotImplementedError(f'"export_cast" mode "fair" does not support the optimizer wrapper '
                               f"{type(optimizer).__name__}")
+
+
+def updates_nothing(engine) -> str | None:
+    """Why ``engine``'s optimizer updates no param (it is an inference engine: a reference, reward
+    or frozen model), or None when it trains.
+
+    DeepSpeed 0.19.8 ``DeepSpeedEngine.__init__`` builds an engine without a client optimizer and
+    without an ``"optimizer"`` config section as: ``DeepSpeedZeRoOffload`` (ZeRO-3), a
+    ``BF16_Optimizer`` over a ``DummyOptim`` (bf16, stage 0), or no optimizer at all.
+    """
+    optimizer = engine.optimizer
+    if optimizer is None:
+        return "no optimizer"
+    if isinstance(optimizer, DeepSpeedZeRoOffload):
+        return "no optimizer (ZeRO-3 DeepSpeedZeRoOffload)"
+    if isinstance(getattr(optimizer, "optimizer", None), DummyOptim):
+        return f"no optimizer ({type(optimizer).__name__} over DeepSpeed's DummyOptim)"
+    if not any(p.requires_grad for p in engine.module.parameters()):
+        return "no trainable param (every requires_grad is False)"
+    return None
 
 
 def bind(fn, *args, **kwargs) -> inspect.BoundArguments:

@@ -29,13 +29,16 @@ from deepspeed.utils import logger
 
 from faircast_dist import FairCaster
 from faircast_dist.caster import adopt_residuals
-from faircast_dist.config import RESIDUAL_DTYPES
+from faircast_dist.config import RESIDUAL_DTYPES, Method
 from faircast_dist.telemetry import ExportObserver
 
 STEP_KEY = "export_cast_step"
 RESIDUAL_KEY = "export_cast_residual"
 SERVED_KEY = "export_cast_served"
-STATE_KEYS = (STEP_KEY, RESIDUAL_KEY, SERVED_KEY)
+# the method that served them, for the load's messages: its position in ``list(Method)``, an int,
+# which torch's ``Optimizer.load_state_dict`` keeps (it would turn a str into a generator's repr)
+METHOD_KEY = "export_cast_method"
+STATE_KEYS = (STEP_KEY, RESIDUAL_KEY, SERVED_KEY, METHOD_KEY)
 #: a universal checkpoint's Fair Cast metadata, ``zero/export_cast.pt`` (written by :mod:`deepspeed_hooks.checkpoint`)
 UNIVERSAL_STATE_FILE = "export_cast.pt"
 
@@ -212,6 +215,7 @@ class OptimizerExport:
             state = self.state(hp)
             state[SERVED_KEY] = served
             state[STEP_KEY] = self.caster.step
+            state[METHOD_KEY] = list(Method).index(self.caster.method)
 
     @torch.no_grad()
     def restore_served(self) -> bool:
@@ -265,7 +269,9 @@ class OptimizerExport:
                 names = sorted({f.name for f in fragments})
                 raise ValueError(f"export cast: saved {RESIDUAL_KEY} has {residual.numel()} elements but the "
                                  f"partition holding {names} has {hp.numel()} (saved under another layout?)")
-            action, warning = adopt_residuals(self.caster.method, residual is not None)
+            code = state.get(METHOD_KEY)
+            action, warning = adopt_residuals(self.caster.method, residual is not None,
+                                              None if code is None else list(Method)[code])
             if warning is not None and step is not None:  # without any Fair Cast state: warned above
                 logger.warning(f"export cast: {warning}")
             if action == "keep":  # torch's Optimizer.load_state_dict casts float state to the param dtype: undo it

@@ -16,13 +16,15 @@ from faircast_dist.philox import derive_dither_key, derive_key
 from faircast_dist.rounding import cast_nearest
 
 
-def adopt_residuals(method: Method, saved: bool) -> tuple[str, str | None]:
+def adopt_residuals(method: Method, saved: bool, saved_method: str | None = None) -> tuple[str, str | None]:
     """The one rule for a checkpoint's error-feedback residuals (:meth:`FairCaster.load_state_dict`
     and both integrations' loads).
 
     Args:
         method: the method now.
-        saved: the checkpoint holds residuals (it was written with error feedback).
+        saved: the checkpoint holds residuals.
+        saved_method: the method the checkpoint was written with, when it records one (the
+            warning then says what happened).
 
     Returns:
         ``(action, warning)``: ``"keep"`` (reuse them exactly), ``"zero"`` (error feedback now,
@@ -30,8 +32,15 @@ def adopt_residuals(method: Method, saved: bool) -> tuple[str, str | None]:
         ``"none"``; ``warning`` is the message to log for ``"zero"`` and ``"drop"``, else None.
     """
     if method.needs_residual:
-        return ("keep", None) if saved else ("zero", "switching to error_feedback: the checkpoint has no "
-                                             "residuals, they start at zero")
+        if saved:
+            return "keep", None
+        if saved_method is None:
+            why = "the checkpoint holds no error-feedback residuals (and records no method)"
+        elif Method(saved_method).needs_residual:
+            why = "the checkpoint was written with error_feedback but its residuals are missing"
+        else:
+            why = f"switching from {saved_method} to error_feedback"
+        return "zero", f"{why}: residuals start at zero"
     if saved:
         return "drop", f"the checkpoint has error-feedback residuals but the method is now {method}: dropping them"
     return "none", None
@@ -202,7 +211,7 @@ class FairCaster:
         """
         self.step = int(state["step"])
         saved = ExportCastConfig.from_value(state.get("config"))
-        action, _ = adopt_residuals(self.method, saved.effective_method.needs_residual)
+        action, _ = adopt_residuals(self.method, bool(state.get("residuals")), saved.effective_method)
         dtype = RESIDUAL_DTYPES[self.config.residual_dtype]
         self.residuals = ({k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()}
                           if action == "keep" else {})

@@ -5,7 +5,7 @@ executable spec; the kernels here give the same bits, faster:
 
 * ``"cpu"``: a C++ loop (``csrc/fused_cast.cpp``) built on first use with
   ``torch.utils.cpp_extension`` (ninja, ``-O3 -march=native -fopenmp``, the way DeepSpeed builds
-  its CPU ops; never ``-ffast-math``) and cached by torch under ``TORCH_EXTENSIONS_DIR``;
+  its CPU ops; never ``-ffast-math``), cached under ``$TORCH_EXTENSIONS_DIR/faircast/<key>`` (:func:`_cpu_module`);
 * ``"triton"``: :mod:`faircast_dist.fused_triton`, for GPU tensors (and CPU under
   ``TRITON_INTERPRET=1``, as CI tests it);
 * ``"reference"``: the plain-torch casts, one call per segment.
@@ -118,21 +118,79 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
+CPU_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+CPU_LDFLAGS = ("-fopenmp",)
+#: seconds to wait for another process's build lock before giving up on the CPU kernel
+LOCK_WAIT_ENV, LOCK_WAIT_S = "FAIRCAST_BUILD_LOCK_WAIT_S", 600.0
+
+
+def cpu_build_key(source: bytes) -> str:
+    """The CPU kernel's cache key: what makes one build differ from another.
+
+    The C++ source, the compiler flags, torch's and Python's versions and the host CPU's feature
+    flags (``-march=native``: nodes sharing a home directory may differ). Every checkout, branch
+    and venv with the same key shares one build; any difference gets a build of its own.
+    """
+    import platform
+    import sys
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    parts = [source, repr((CPU_CFLAGS, CPU_LDFLAGS, torch.__version__, sys.version, cpu)).encode()]
+    return hashlib.sha1(b"\0".join(parts)).hexdigest()[:16]
+
+
 def _cpu_module():
-    """The compiled CPU kernel, built on first use; None (after one warning) if it cannot be built."""
+    """The compiled CPU kernel, built on first use; None (after one warning) if it cannot be built.
+
+    The build lives in ``$TORCH_EXTENSIONS_DIR/faircast/<key>`` (default
+    ``~/.cache/torch_extensions``), named by :func:`cpu_build_key` and compiled from a copy of the
+    source inside it, so checkouts with the same key never rebuild over each other. A build lock
+    left by a killed build is waited on for at most ``FAIRCAST_BUILD_LOCK_WAIT_S`` seconds (600),
+    then the reference casts are used, with a warning naming the lock file to delete.
+    """
     if "module" not in _CPU:
         _CPU["module"] = None
         try:
             from torch.utils.cpp_extension import load
-            src = os.path.join(os.path.dirname(__file__), "csrc", "fused_cast.cpp")
-            with open(src, "rb") as f:  # one cached build per source version (branches share the cache)
-                tag = hashlib.sha1(f.read()).hexdigest()[:10]
-            _CPU["module"] = load(name=f"faircast_fused_cast_cpu_{tag}", sources=[src],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            with open(os.path.join(os.path.dirname(__file__), "csrc", "fused_cast.cpp"), "rb") as f:
+                source = f.read()
+            key = cpu_build_key(source)
+            root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+            build = os.path.join(root, "faircast", key)
+            os.makedirs(build, exist_ok=True)
+            src = os.path.join(build, "fused_cast.cpp")
+            if not os.path.exists(src):  # written once, atomically: the path every checkout compiles
+                with open(f"{src}.{os.getpid()}", "wb") as f:
+                    f.write(source)
+                os.replace(f"{src}.{os.getpid()}", src)
+            if not _wait_for_lock(os.path.join(build, "lock")):
+                return None
+            _CPU["module"] = load(name=f"faircast_fused_cast_cpu_{key}", sources=[src], build_directory=build,
+                                  extra_cflags=list(CPU_CFLAGS), extra_ldflags=list(CPU_LDFLAGS))
         except Exception as err:  # no compiler, no ninja, or a failed build: the reference still works
             warnings.warn(f"faircast: the fused CPU cast kernel could not be built ({type(err).__name__}: {err}); "
                           "falling back to the plain-torch reference casts (same bits, slower)", RuntimeWarning)
     return _CPU["module"]
+
+
+def _wait_for_lock(lock: str) -> bool:
+    """Wait until torch's build lock ``lock`` is gone (another process building); False, after a
+    warning, when it is still there after ``FAIRCAST_BUILD_LOCK_WAIT_S`` seconds."""
+    import time
+    limit = float(os.environ.get(LOCK_WAIT_ENV, LOCK_WAIT_S))
+    deadline = time.monotonic() + limit
+    while os.path.exists(lock):
+        if time.monotonic() >= deadline:
+            warnings.warn(f"faircast: the fused CPU kernel's build lock {lock} has been held for {limit:g} s "
+                          f"({LOCK_WAIT_ENV}); a build killed mid-way leaves it behind: delete it to rebuild. "
+                          "Falling back to the plain-torch reference casts (same bits, slower)", RuntimeWarning)
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def resolve_backend(device: torch.device, backend: str = "auto") -> str:

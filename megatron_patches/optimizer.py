@@ -277,9 +277,9 @@ class MegatronExport:
         self.caster.step = int(state["step"])
         self.telemetry.reset()  # the served model is replaced: the next export primes again
         saved = state.get("residual") or {}
-        action, warning = adopt_residuals(self.caster.method, state.get("method") == "error_feedback" and bool(saved))
+        action, warning = adopt_residuals(self.caster.method, bool(saved), state.get("method"))
         if warning is not None:
-            logger.warning("Fair Cast: %s (checkpoint method %r)", warning, state.get("method"))
+            logger.warning("Fair Cast: %s", warning)
         if action == "zero":
             self.reset_residuals()
         if action != "keep":
@@ -374,9 +374,20 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
         exports.append(export)
     if telemetry:
         _start_telemetry(exports, sample, max_lag)
-    logger.info("Fair Cast: master->bf16 export cast uses %s (seed %d) on %s", config.effective_method,
-                config.seed, ", ".join(type(o).__name__ for o in leaves))
+    if not leaves:  # after the telemetry's collective, which every rank joins
+        _print_rank_0("Fair Cast: left stock (round-to-nearest): the optimizer holds no trainable param")
+        return []
+    _print_rank_0(f"Fair Cast: master->bf16 export cast uses {config.effective_method} (seed {config.seed}) on "
+                  f"{', '.join(type(o).__name__ for o in leaves)}, replacing the round-to-nearest copy in "
+                  f"{compat.COPY_TO_MODEL}")
     return exports
+
+
+def _print_rank_0(message: str) -> None:
+    """``message`` on global rank 0, whatever the logging level (Megatron-LM announces its own set-up
+    with ``print_rank_0``; its default root logger level, WARNING, would hide an INFO line)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
 
 
 def _start_telemetry(exports: list[MegatronExport], sample: int, max_lag: int) -> None:

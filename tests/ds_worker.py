@@ -125,6 +125,15 @@ def _worker(rank, world_size, port, opts, out_path):
     else:
         model = tiny_model()
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
+    reference = None
+    if opts["reference"]:  # a frozen reference model, as TRL (trl/models/utils.py prepare_deepspeed) builds it:
+        # a copy of the training config, stage 0 unless ZeRO-3, no optimizer (OpenRLHF's is alike)
+        ref_cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
+        ref_cfg["zero_optimization"] = dict(cfg["zero_optimization"])
+        if ref_cfg["zero_optimization"]["stage"] != 3:
+            ref_cfg["zero_optimization"]["stage"] = 0
+        reference, *_ = init(model=tiny_model(), config=ref_cfg)
+        reference.eval()
     restored = None
     if opts["uninstall"]:  # Fair Cast installed, then uninstalled: stock DeepSpeed from here on
         from deepspeed.runtime import bf16_optimizer, utils
@@ -193,6 +202,9 @@ def _worker(rank, world_size, port, opts, out_path):
         x, y = (t.to(device) for t in batch(step))
         loss = torch.nn.functional.mse_loss(engine(x.to(next(engine.parameters()).dtype)).float(), y)
         engine.backward(loss)
+        if reference is not None:
+            with torch.no_grad():
+                reference(x.to(torch.bfloat16))
         with CopyProbe(engine.optimizer) as probe:
             engine.step()
         record["master_copies"] += probe.count
@@ -221,6 +233,12 @@ def _worker(rank, world_size, port, opts, out_path):
     # the export API: full bf16 tensors, small buckets so ZeRO-3 gathers several times
     record["served_api"] = {n: t.reshape(-1).to("cpu", copy=True) for n, t in served_weights(engine, bucket_bytes=1024)}
     record["method"] = export.caster.method if export else None
+    if reference is not None:
+        params = list(reference.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            record["reference"] = {"optimizer": type(reference.optimizer).__name__,
+                                   "fair": hasattr(reference.optimizer, "fair_export"),
+                                   "bf16": {n: p.detach().reshape(-1).to("cpu", copy=True) for n, p in params}}
     record["export_step"] = export.caster.step if export else None
     torch.save(record, f"{out_path}.{rank}.tmp")
     os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}")  # complete, or absent
@@ -233,7 +251,7 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
         load_tag: str | None = None, preset: tuple = (), save_at: tuple = (),
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
         monitor_sample: int | None = None, zero_extra: dict | None = None, save_final: bool = True,
-        device: str = "cpu", uninstall: bool = False) -> list[dict]:
+        device: str = "cpu", uninstall: bool = False, reference: bool = False) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
@@ -245,12 +263,14 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
     ``save_at``: steps before which to save into ``save_dir``; ``save_final``: also save after the
     last step. ``device``: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r). ``uninstall``: call
     ``deepspeed_hooks.uninstall`` right after initialize (``record["restored"]``: every wrap is gone).
+    ``reference``: also build a frozen reference engine without optimizer from a copy of the
+    config, as TRL does, and run it forward every step (``record["reference"]``).
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
                 save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
                 monitor_sample=monitor_sample, zero_extra=zero_extra, save_final=save_final, device=device,
-                uninstall=uninstall)
+                uninstall=uninstall, reference=reference)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         for attempt in range(3):

@@ -17,6 +17,8 @@ not with megatron_patches' mapping (``layout``), so the tests check that mapping
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import socket
@@ -37,8 +39,10 @@ def free_port() -> int:
 
 
 # -- model and optimizer ---------------------------------------------------------------------------
-def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemetry: int | None = None):
-    """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast)."""
+def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemetry: int | None = None,
+          frozen: bool = False):
+    """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast).
+    ``frozen``: every param has requires_grad False (an optimizer over nothing)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -67,6 +71,7 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
                      max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
     model.cuda()  # as Megatron-LM's get_model (a no-op under the CPU shim)
+    model.requires_grad_(not frozen)
     model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt, bucket_size=None),
                 Float16Module(cfg, model))
     opt_cfg = OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, bf16=not fp16, fp16=fp16,
@@ -287,12 +292,20 @@ def _run_job(tp, pp, job: dict) -> dict:
     record = {"snaps": [], "mismatch": 0, "rtn_differs": 0, "master_copies": 0}
     if "megatron_lm" in job:
         lm = megatron_lm_standin(job["megatron_lm"])
+    printed = io.StringIO()  # what the build printed (the activation line), also passed on
     try:
-        model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
-                                    fp16=job.get("fp16", False), how=job.get("how", "install"),
-                                    telemetry=job.get("telemetry"))
+        with contextlib.redirect_stdout(printed):
+            model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
+                                        fp16=job.get("fp16", False), how=job.get("how", "install"),
+                                        telemetry=job.get("telemetry"), frozen=job.get("frozen", False))
     except Exception as err:  # misuse cases record the error
         record["error"] = f"{type(err).__name__}: {err}"
+        return record
+    finally:
+        print(printed.getvalue(), end="")
+        record["printed"] = printed.getvalue()
+    if job.get("frozen"):
+        record["installed"] = [type(e.optimizer).__name__ for e in exports(optimizer)]
         return record
     record["installed"] = [type(e.optimizer).__name__ for e in exports(optimizer)]
     record["instance_wraps"] = sorted({n for leaf in leaves(optimizer) for n in vars(leaf) if n in (

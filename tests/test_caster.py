@@ -1,10 +1,13 @@
 """FairCaster (config + step + residuals), the config and the drift telemetry."""
 import math
+import re
 
 import pytest
 import torch
 
 from faircast_dist import ExportCastConfig, FairCaster, derive_dither_key, derive_key
+from faircast_dist.caster import adopt_residuals
+from faircast_dist.config import Method
 from faircast_dist.rounding import cast_stochastic
 from faircast_dist.telemetry import LagTracker, bf16_spacing, changed_fraction, gap_ulps, logprob_gap
 
@@ -91,6 +94,18 @@ def test_switching_method_on_load():
     back = FairCaster("fair")
     back.load_state_dict(ef.state_dict())  # and back: no state needed
     assert back.residuals == {}
+
+
+@pytest.mark.parametrize("saved,saved_method,action,warning", [
+    (True, "error_feedback", "keep", None),
+    (False, "error_feedback", "zero", "the checkpoint was written with error_feedback but its residuals are missing"),
+    (False, "stochastic", "zero", "switching from stochastic to error_feedback"),
+    (False, None, "zero", r"the checkpoint holds no error-feedback residuals \(and records no method\)"),
+])
+def test_missing_residuals_warning_says_what_happened(saved, saved_method, action, warning):
+    got, message = adopt_residuals(Method.ERROR_FEEDBACK, saved, saved_method)
+    assert got == action
+    assert message is None if warning is None else re.match(warning + "(: residuals start at zero)?$", message), message
 
 
 def test_changed_fraction_and_gap_ulps():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ds_worker import PATHS, preset_state, run
+from ds_worker import tiny_model as ds_tiny_model
 from faircast_dist import FairCaster
 from faircast_dist.delta import apply_deltas
 
@@ -151,6 +152,24 @@ def test_install_then_uninstall_is_stock_deepspeed(path, monitor, tmp_path):
         assert_same(stock["master"][step], undone["master"][step])
 
 
+@pytest.mark.parametrize("path,ref_optimizer", [("zero2", "BF16_Optimizer"), ("zero3", "DeepSpeedZeRoOffload")])
+def test_reference_engine_without_optimizer_is_left_stock(path, ref_optimizer, capfd):
+    """A frozen reference model built from a copy of the training config (TRL, OpenRLHF) keeps its
+    round-to-nearest bf16 params and no caster; the trained engine next to it is cast as alone;
+    rank 0 prints one line for each (visible at DeepSpeed's default log level)."""
+    together = run(2, path=path, export_cast=SR, steps=2, reference=True)[0]
+    alone = run(2, path=path, export_cast=SR, steps=2)[0]
+    ref = together["reference"]
+    assert ref["optimizer"] == ref_optimizer and ref["fair"] is False
+    stock = {n: p.detach().reshape(-1).to(torch.bfloat16) for n, p in ds_tiny_model().named_parameters()}
+    assert_same(ref["bf16"], stock)
+    assert together["mismatch"] == 0 and together["method"] == "stochastic"
+    assert_same(together["bf16"][-1], alone["bf16"][-1])
+    out = capfd.readouterr().out
+    assert out.count("Fair Cast: left stock (round-to-nearest) on this engine: no optimizer") == 1, out
+    assert out.count("Fair Cast: master->bf16 export cast uses stochastic (seed 7)") == 2, out  # both runs
+
+
 def test_patch_deepspeed_makes_stock_initialize_honour_the_key():
     patched = run(2, export_cast=SR, hook="patch", steps=STEPS)[0]
     assert patched["method"] == "stochastic" and patched["mismatch"] == 0
@@ -204,8 +223,8 @@ def test_universal_conversion_needs_fair_cast_state(tmp_path):
         to_universal(os.path.join(tmp_path, "global_step1"), os.path.join(tmp_path, "universal"))
 
 
-def test_switching_method_on_load(tmp_path):
-    ef_dir, plain_dir = tmp_path / "ef", tmp_path / "plain"
+def test_switching_method_on_load(tmp_path, capfd):
+    ef_dir, plain_dir, sr_dir = tmp_path / "ef", tmp_path / "plain", tmp_path / "sr"
     saved = run(2, export_cast=EF, steps=3, save_dir=str(ef_dir))[0]
     # error feedback -> stochastic: no state needed, residuals dropped (with a warning)
     sr = run(2, export_cast=SR, steps=2, load_dir=str(ef_dir))[0]
@@ -217,6 +236,11 @@ def test_switching_method_on_load(tmp_path):
     ef = run(2, export_cast=EF, steps=2, load_dir=str(plain_dir))[0]
     assert all(not r.any() for r in ef["start"][2].values())
     assert ef["mismatch"] == 0 and ef["export_step"] == 2
+    # stochastic -> error feedback: the warning names the checkpoint's method
+    run(1, export_cast=SR, steps=1, save_dir=str(sr_dir))
+    capfd.readouterr()
+    run(1, export_cast=EF, steps=1, load_dir=str(sr_dir))
+    assert "switching from stochastic to error_feedback: residuals start at zero" in capfd.readouterr().out
 
 
 def test_residual_of_another_partitioning_is_an_error_naming_params(tmp_path):

@@ -335,6 +335,53 @@ def test_without_a_compiler_the_reference_runs_after_one_warning(monkeypatch):
     assert_same_bits(out, cast_stochastic(x, key, 5))
 
 
+def test_cpu_build_key_covers_source_flags_and_versions(monkeypatch):
+    key = fused.cpu_build_key(b"src")
+    assert fused.cpu_build_key(b"src") == key and fused.cpu_build_key(b"src2") != key
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert fused.cpu_build_key(b"src") != key
+    monkeypatch.undo()
+    monkeypatch.setattr(fused, "CPU_CFLAGS", ("-O2",))
+    assert fused.cpu_build_key(b"src") != key
+
+
+def test_a_stale_build_lock_is_a_bounded_wait_then_the_reference(monkeypatch, tmp_path):
+    """A lock left by a build killed mid-way: warned (naming the file) after the wait, not a hang."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv(fused.LOCK_WAIT_ENV, "0.5")
+    monkeypatch.delenv(fused.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(fused, "_CPU", {})
+    with open(os.path.join(os.path.dirname(fused.__file__), "csrc", "fused_cast.cpp"), "rb") as f:
+        build = tmp_path / "faircast" / fused.cpu_build_key(f.read())
+    build.mkdir(parents=True)
+    (build / "lock").write_text("")
+    with pytest.warns(RuntimeWarning, match=f"build lock {build / 'lock'} has been held for 0.5 s"):
+        assert fused.resolve_backend(torch.device("cpu")) == "reference"
+
+
+@pytest.mark.slow
+def test_two_checkouts_share_one_cpu_kernel_build(tmp_path):
+    """Two copies of the package (checkouts, venvs, nodes sharing a home) build the kernel once:
+    the second finds the first's build and does not recompile it."""
+    import shutil
+    import subprocess
+    import sys
+    ext = tmp_path / "ext"
+    probe = "import torch, faircast_dist.fused as f; print(f.__file__, f.resolve_backend(torch.device('cpu')))"
+    built = []
+    for copy in ("a", "b"):
+        shutil.copytree(os.path.dirname(fused.__file__), tmp_path / copy / "faircast_dist")
+        env = dict(os.environ, PYTHONPATH=str(tmp_path / copy), TORCH_EXTENSIONS_DIR=str(ext))
+        env.pop(fused.BACKEND_ENV, None)
+        out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0 and out.stdout.split() == [str(tmp_path / copy / "faircast_dist" / "fused.py"),
+                                                              "cpu"], out.stderr
+        (so,) = (ext / "faircast").glob("*/*.so")
+        built.append(so.stat().st_mtime_ns)
+    assert built[0] == built[1]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_public_casts_are_fused_and_equal_the_reference(backend):
     """faircast_dist.cast_stochastic / cast_error_feedback (the fast casts, any shape) give the

@@ -53,6 +53,7 @@ def _jobs(layout):
         jobs["activate_nearest"] = dict(export_cast="nearest", distopt=True, steps=3, how="activate")
         jobs["activate_fair"] = dict(export_cast=SR, distopt=True, steps=3, how="activate")
         jobs["fp16_fair"] = dict(export_cast=SR, distopt=True, fp16=True)
+        jobs["frozen_fair"] = dict(export_cast=SR, distopt=True, frozen=True, how="activate")
     if layout == (1, 1, 2, True):  # checkpoints of the resume tests, and the other copy paths
         jobs["dp_ef"] = dict(export_cast=EF, distopt=True, steps=STEPS, save=CKPT["dp_ef"], save_after=SAVE_AFTER,
                              sharding="dp_reshardable", param_buffer=True, reload=True)
@@ -170,6 +171,20 @@ def test_nearest_and_unset_are_stock_megatron_bit_for_bit():
     assert fair["installed"] == ["DistributedOptimizer"] and fair["mismatch"] == 0
     assert any(not torch.equal(fair["snaps"][-1]["served"][k], stock["snaps"][-1]["served"][k])
                for k in stock["snaps"][-1]["served"])
+
+
+def test_activation_prints_one_line_and_an_optimizer_over_nothing_is_left_stock():
+    """Rank 0 prints what was done (Megatron-LM's default root logger level, WARNING, would hide
+    an INFO line); an optimizer over frozen params gets no caster and says so."""
+    records = layout_run(LAYOUTS[0])
+    assert records["activate_fair"]["printed"] == (
+        "Fair Cast: master->bf16 export cast uses stochastic (seed 7) on DistributedOptimizer, replacing "
+        "the round-to-nearest copy in _copy_main_params_to_model_params\n")
+    assert records["nearest"]["printed"] == records["stock"]["printed"] == ""
+    frozen = records["frozen_fair"]
+    assert "error" not in frozen, frozen.get("error")
+    assert frozen["installed"] == [] and frozen["printed"] == (
+        "Fair Cast: left stock (round-to-nearest): the optimizer holds no trainable param\n")
 
 
 def test_install_then_uninstall_is_stock_megatron_bit_for_bit():
