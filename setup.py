@@ -6,9 +6,11 @@ setup(
     description="Fair Cast for Megatron and DeepSpeed: stochastic rounding / error feedback at the "
                 "fp32 master -> bf16 model cast, shard-aware and reproducible under any layout",
     packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches"]),
-    package_data={"faircast_dist": ["csrc/*.cpp"]},  # the fused CPU kernel, compiled on first use
+    # the fused CPU kernel, compiled on first use; faircast-run's start-up hook
+    package_data={"faircast_dist": ["csrc/*.cpp", "startup/sitecustomize.py"]},
     python_requires=">=3.10",
-    entry_points={"console_scripts": ["faircast-served=deepspeed_hooks.served:main"]},
+    entry_points={"console_scripts": ["faircast-served=deepspeed_hooks.served:main",
+                                      "faircast-run=faircast_dist.autoload:main"]},
     # torch is not pinned: install the build you want first (the Makefile installs torch==2.13.0).
     install_requires=["torch>=2.3", "numpy"],
     extras_require={

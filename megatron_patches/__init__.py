@@ -105,8 +105,8 @@ def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool
         from megatron.training import arguments
     except ImportError:
         arguments = None
-    if arguments is not None:
-        wraps.wrap(arguments, "add_megatron_arguments", _adds_export_cast_args)
+    if hasattr(arguments, "add_megatron_arguments"):  # (an activation during Megatron-LM's own import may
+        wraps.wrap(arguments, "add_megatron_arguments", _adds_export_cast_args)  # find it half-defined)
 
     import megatron.core.optimizer as core_optimizer
     original = core_optimizer.get_megatron_optimizer
@@ -116,12 +116,20 @@ def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool
             wraps.set(module, "get_megatron_optimizer", wrapper)
 
     try:
-        from megatron.training import training
+        from megatron.training import training  # noqa: F401  (loads it, when Megatron-LM is there)
     except ImportError:
-        training = None
+        pass
+    _wrap_training_log(active)
+
+
+def _wrap_training_log(active: _Activation) -> None:
+    """Wrap ``megatron.training.training.training_log`` once it is loaded and defined (idempotent:
+    :func:`activate` tries, and so does every optimizer build, for an activation that ran while
+    Megatron-LM's modules were still being imported, e.g. from ``faircast-run``)."""
+    training = sys.modules.get("megatron.training.training")
     if hasattr(training, "training_log"):
         from megatron_patches.telemetry import wrap_training_log
-        wrap_training_log(training, active.optimizers, wraps)
+        wrap_training_log(training, active.optimizers, active.wraps)
 
 
 def deactivate() -> None:
@@ -146,6 +154,7 @@ def _installs_fair_cast(active: _Activation, original):
     @functools.wraps(original)
     def get_megatron_optimizer(*args, **kwargs):
         optimizer = original(*args, **kwargs)
+        _wrap_training_log(active)
         model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[1]
         chosen = active.config if active.config is not None else _args_config()
         want = active.telemetry if active.telemetry is not None else _args_telemetry()

@@ -113,6 +113,8 @@ def _worker(rank, world_size, port, opts, out_path):
     cfg = ds_config(world_size, opts["path"], opts["export_cast"], opts["lr"], universal=opts["load_tag"] is not None)
     cfg["bf16"]["enabled"] = opts["bf16"]
     cfg["zero_optimization"].update(opts["zero_extra"] or {})
+    if opts["fused_adam"]:  # DeepSpeed's FusedAdam (JIT-built for the CPU), e.g. for ZeRO-3 offload_states
+        cfg["optimizer"]["params"].pop("torch_adam", None)
     if opts["monitor_dir"]:
         cfg["csv_monitor"] = {"enabled": True, "output_path": opts["monitor_dir"], "job_name": "fair"}
     if opts["hook"] == "patch":  # the one-line way for an existing launch script
@@ -199,6 +201,9 @@ def _worker(rank, world_size, port, opts, out_path):
     for step in range(first, first + opts["steps"]):
         if opts["save_dir"] and step in opts["save_at"]:
             engine.save_checkpoint(opts["save_dir"])
+        if opts["offload_states"] and step == first + 1:  # OpenRLHF colocated: offload, rollout, reload
+            engine.offload_states(pin_memory=False)
+            engine.reload_states()
         x, y = (t.to(device) for t in batch(step))
         loss = torch.nn.functional.mse_loss(engine(x.to(next(engine.parameters()).dtype)).float(), y)
         engine.backward(loss)
@@ -251,7 +256,8 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
         load_tag: str | None = None, preset: tuple = (), save_at: tuple = (),
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
         monitor_sample: int | None = None, zero_extra: dict | None = None, save_final: bool = True,
-        device: str = "cpu", uninstall: bool = False, reference: bool = False) -> list[dict]:
+        device: str = "cpu", uninstall: bool = False, reference: bool = False,
+        offload_states: bool = False, fused_adam: bool = False) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
@@ -265,12 +271,15 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
     ``deepspeed_hooks.uninstall`` right after initialize (``record["restored"]``: every wrap is gone).
     ``reference``: also build a frozen reference engine without optimizer from a copy of the
     config, as TRL does, and run it forward every step (``record["reference"]``).
+    ``offload_states``: ``engine.offload_states()`` then ``reload_states()`` before the second step
+    (ZeRO-3 supports it with ``fused_adam``: DeepSpeed's FusedAdam instead of torch's AdamW).
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
                 save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
                 monitor_sample=monitor_sample, zero_extra=zero_extra, save_final=save_final, device=device,
-                uninstall=uninstall, reference=reference)
+                uninstall=uninstall, reference=reference, offload_states=offload_states,
+                fused_adam=fused_adam)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         for attempt in range(3):

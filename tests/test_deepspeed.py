@@ -170,6 +170,21 @@ def test_reference_engine_without_optimizer_is_left_stock(path, ref_optimizer, c
     assert out.count("Fair Cast: master->bf16 export cast uses stochastic (seed 7)") == 2, out  # both runs
 
 
+@pytest.mark.parametrize("path,method", [("zero2", "stochastic"), ("zero2", "error_feedback"), ("zero3", "error_feedback")])
+def test_offload_and_reload_states_change_nothing(path, method):
+    """``engine.offload_states()`` / ``reload_states()`` between steps (OpenRLHF's colocated mode,
+    around every rollout): served bits, masters, residuals and export step as without them."""
+    fused = path == "zero3"  # DeepSpeed 0.19.8 offloads ZeRO-3 states only with its FusedAdam
+    straight = run(2, path=path, export_cast=METHODS[method], steps=STEPS, fused_adam=True)[0] if fused else \
+        trained(2, path, method)[0]
+    moved = run(2, path=path, export_cast=METHODS[method], steps=STEPS, offload_states=True, fused_adam=fused)[0]
+    assert moved["mismatch"] == 0 and moved["export_step"] == straight["export_step"]
+    for k in range(STEPS):
+        assert_same(straight["bf16"][k], moved["bf16"][k])
+        assert_same(straight["master"][k], moved["master"][k])
+        assert_same(straight["residual"][k], moved["residual"][k])
+
+
 def test_patch_deepspeed_makes_stock_initialize_honour_the_key():
     patched = run(2, export_cast=SR, hook="patch", steps=STEPS)[0]
     assert patched["method"] == "stochastic" and patched["mismatch"] == 0

@@ -1,0 +1,70 @@
+"""Fair Cast's start-up hook, on ``PYTHONPATH`` by ``faircast-run`` (see :mod:`faircast_dist.autoload`).
+
+With ``FAIRCAST_EXPORT_CAST`` set, the first import of ``deepspeed`` is followed at once by
+``deepspeed_hooks.patch_deepspeed()``, and that of ``megatron.core.optimizer`` by
+``megatron_patches.activate(<the variable's config>)``: before any other module can bind their
+functions by name. Without the variable nothing is installed. It imports nothing heavy itself (no
+torch), then runs the ``sitecustomize`` it shadows, if there is one.
+"""
+import importlib
+import importlib.abc
+import os
+import sys
+
+ENV = "FAIRCAST_EXPORT_CAST"  # faircast_dist.autoload.ENV (not imported here: it imports torch)
+
+
+def _patch_deepspeed(_module):
+    import deepspeed_hooks
+    deepspeed_hooks.patch_deepspeed()
+
+
+def _activate_megatron(_module):
+    import megatron_patches
+    from faircast_dist.autoload import env_config
+    megatron_patches.activate(config=env_config())
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``hooks[name](module)`` once, right after module ``name`` has been executed (the other
+    finders on ``sys.meta_path`` find it; this one only wraps its loader's ``exec_module``)."""
+
+    def __init__(self, hooks):
+        self.hooks = dict(hooks)
+
+    def find_spec(self, name, path=None, target=None):
+        hook = self.hooks.pop(name, None)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            spec = finder.find_spec(name, path, target) if finder is not self and hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_hook(module):
+            exec_module(module)
+            hook(module)
+        spec.loader.exec_module = exec_then_hook
+        return spec
+
+
+def _run_shadowed_sitecustomize():
+    here = os.path.dirname(os.path.abspath(__file__))
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    del sys.modules[__name__]
+    try:
+        importlib.import_module("sitecustomize")
+    except ModuleNotFoundError as err:
+        if err.name != "sitecustomize":
+            raise
+    finally:
+        sys.path[:] = saved
+
+
+if os.environ.get(ENV):
+    sys.meta_path.insert(0, AfterImport({"deepspeed": _patch_deepspeed, "megatron.core.optimizer": _activate_megatron}))
+_run_shadowed_sitecustomize()

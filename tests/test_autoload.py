@@ -1,0 +1,86 @@
+"""faircast-run / FAIRCAST_EXPORT_CAST: Fair Cast on from the environment, in real subprocesses
+(the start-up hook runs at interpreter start, so only a fresh process shows it)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from faircast_dist import ExportCastConfig, autoload
+from faircast_dist.config import ConfigError
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+FAIRCAST_RUN = os.path.join(os.path.dirname(sys.executable), "faircast-run")
+SR7 = '{"mode": "fair", "method": "stochastic", "seed": 7}'
+
+
+def launch(code: str, export_cast: str | None, extra_path: str | None = None, timeout: int = 600):
+    """``faircast-run python -c code`` (``export_cast`` None: the start-up hook on the path, no variable)."""
+    env = {k: v for k, v in os.environ.items() if k != autoload.ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, TESTS) if p)
+    if export_cast is None:
+        env["PYTHONPATH"] = os.pathsep.join([autoload.STARTUP_DIR, env["PYTHONPATH"]])
+        cmd = [sys.executable, "-c", code]
+    else:
+        cmd = [FAIRCAST_RUN, "--export-cast", export_cast, sys.executable, "-c", code]
+    out = subprocess.run(cmd, env=env, cwd=TESTS, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_env_config_takes_json_or_a_mode_and_names_the_variable(monkeypatch):
+    monkeypatch.delenv(autoload.ENV, raising=False)
+    assert autoload.env_config() is None
+    monkeypatch.setenv(autoload.ENV, SR7)
+    assert autoload.env_config() == ExportCastConfig(mode="fair", method="stochastic", seed=7)
+    monkeypatch.setenv(autoload.ENV, "fair")
+    assert autoload.env_config() == ExportCastConfig(mode="fair")
+    monkeypatch.setenv(autoload.ENV, '{"mode": "fair", "methd": "stochastic"}')
+    with pytest.raises(ConfigError, match=r"environment variable FAIRCAST_EXPORT_CAST=.*unknown key\(s\).*methd"):
+        autoload.env_config()
+
+
+def test_the_variable_fills_only_a_missing_deepspeed_section(monkeypatch):
+    from deepspeed_hooks import parse_config
+    monkeypatch.setenv(autoload.ENV, SR7)
+    assert parse_config({}).method == "stochastic"
+    assert parse_config({"export_cast": "nearest"}).enabled is False  # the config's own section wins
+
+
+def test_faircast_run_turns_deepspeed_on_in_an_unedited_script():
+    """A script calling stock ``deepspeed.initialize`` (no patch, no config key), two spawned ranks:
+    every served element is the stochastic cast, and rank 0 prints the activation line once."""
+    code = ("import ds_worker; r = ds_worker.run(2, export_cast=None, hook=None, steps=2)[0]; "
+            "print('RESULT', r['method'], r['mismatch'], r['rtn_differs'] > 0)")
+    out = launch(code, SR7)
+    assert "RESULT stochastic 0 True" in out, out
+    assert out.count("Fair Cast: master->bf16 export cast uses stochastic (seed 7)") == 1, out
+
+
+def test_faircast_run_activates_megatron_before_its_function_is_bound_by_name():
+    """verl binds ``get_megatron_optimizer`` under another name at import: it gets the wrapper."""
+    code = ("from megatron.core.optimizer import get_megatron_optimizer as native; "
+            "import megatron_patches; print('RESULT', getattr(native, '_faircast', False), "
+            "megatron_patches._ACTIVE.config.method)")
+    assert "RESULT True stochastic" in launch(code, SR7)
+
+
+def test_without_the_variable_nothing_is_installed_and_a_shadowed_sitecustomize_still_runs(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import builtins; builtins.SHADOWED_RAN = True\n")
+    code = ("import sys, builtins, deepspeed, deepspeed_hooks; "
+            "print('RESULT', deepspeed.initialize is deepspeed_hooks.initialize, "
+            "any(type(f).__name__ == 'AfterImport' for f in sys.meta_path), getattr(builtins, 'SHADOWED_RAN', False))")
+    assert "RESULT False False True" in launch(code, None, extra_path=str(tmp_path))
+
+
+def test_print_env_gives_what_a_ray_runtime_env_needs(capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    autoload.main(["--export-cast", SR7, "--print-env"])
+    env = json.loads(capsys.readouterr().out)
+    assert env == {"PYTHONPATH": os.pathsep.join([autoload.STARTUP_DIR, "/somewhere"]), autoload.ENV: SR7}
+    with pytest.raises(SystemExit):
+        autoload.main(["--export-cast", '{"mode": "fiar"}', "--print-env"])
+    assert "FAIRCAST_EXPORT_CAST='{\"mode\": \"fiar\"}': export_cast.mode must be one of" in capsys.readouterr().err
