@@ -102,7 +102,7 @@ def install(engine) -> FairCaster | None:
     wraps.wrap(engine, "load_checkpoint", functools.partial(_load_serves_what_was_served, engine))
     if engine.monitor.enabled:
         from deepspeed_hooks.monitor import DriftMonitor
-        export.telemetry = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names))
+        export.telemetry = DriftMonitor(sum(compat.full_numel(p) for p in engine.param_names))
         wraps.wrap(engine, "step", functools.partial(_step_reports_drift, engine, export))
     print_dist(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) on "
                f"{type(optimizer).__name__}, replacing its round-to-nearest fp32->bf16 copy", ranks=[0])

@@ -247,7 +247,7 @@ def write_served(engine, served: dict[str, torch.Tensor]) -> None:
     missing = sorted(n for n, p in params if p.requires_grad and n not in served)
     if missing:
         raise KeyError(f"export cast: the checkpoint has no served value for params {missing}")
-    zero3 = any(hasattr(p, "ds_id") for _, p in params)
+    zero3 = any(compat.is_zero3(p) for _, p in params)
     if zero3:
         engine.optimizer.checkpoint_event_prologue()  # every param partitioned, persistent ones too
     for name, p in params:
@@ -255,8 +255,8 @@ def write_served(engine, served: dict[str, torch.Tensor]) -> None:
             continue  # a frozen param saved with exclude_frozen_parameters: DeepSpeed's own value stays
         value = served[name].reshape(-1)
         if zero3:
-            start, numel, _ = compat.zero3_partition(p, compat.zero3_rank(p))
-            p.ds_tensor.narrow(0, 0, numel).copy_(value.narrow(0, start, numel))
+            local, start, _ = compat.zero3_local(p)
+            local.copy_(value.narrow(0, start, local.numel()))
         else:
             p.data.view(-1).copy_(value)
     if zero3:

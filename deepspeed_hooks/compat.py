@@ -22,6 +22,7 @@ import functools
 import inspect
 
 import deepspeed
+import torch
 from deepspeed import comm as dist
 from deepspeed.runtime import bf16_optimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -135,6 +136,23 @@ def zero3_groups(optimizer) -> tuple[list, list, list]:
     """(bf16 params of each sub-group, each sub-group's flat bf16 partition buffer (None when NVMe
     swapped), its flat fp32 partition)."""
     return optimizer.fp16_groups, optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat
+
+
+def is_zero3(param) -> bool:
+    """``param`` is partitioned by ZeRO-3 (``deepspeed.zero.Init`` or a stage-3 engine gave it a ``ds_id``)."""
+    return hasattr(param, "ds_id")
+
+
+def full_numel(param) -> int:
+    """Elements of the full (unpartitioned) ``param`` (ZeRO-3: ``ds_numel``; its ``numel()`` is 0)."""
+    return param.ds_numel if is_zero3(param) else param.numel()
+
+
+def zero3_local(param) -> tuple[torch.Tensor, int, torch.distributed.ProcessGroup]:
+    """``(local, start, group)``: this rank's elements of the flattened ZeRO-3 ``param`` (a view
+    of its ``ds_tensor`` without the padding), the index of the first, and the partition group."""
+    start, numel, _ = zero3_partition(param, zero3_rank(param))
+    return param.ds_tensor.data.view(-1).narrow(0, 0, numel), start, param.ds_process_group
 
 
 def zero3_partition(param, rank: int) -> tuple[int, int, int]:

@@ -27,6 +27,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from deepspeed_hooks import compat
 from faircast_dist import FairCaster
 from faircast_dist.caster import adopt_residuals
 from faircast_dist.config import RESIDUAL_DTYPES, Method
@@ -77,9 +78,8 @@ class OptimizerExport:
     def __init__(self, optimizer, caster: FairCaster, param_names: dict):
         self.optimizer, self.caster, self.param_names = optimizer, caster, param_names
         self.in_step = False
-        self.exported = False
         self.telemetry: ExportObserver = ExportObserver()  # a DriftMonitor when DeepSpeed's monitor is enabled
-        self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish()
+        self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish() (empty: no export)
 
     # ---- what an adapter provides
     def groups(self) -> list[tuple[torch.Tensor, list[Fragment]]]:
@@ -184,14 +184,12 @@ class OptimizerExport:
             for _, start, master, served, rows in self.buffers(None, hp, fragments, out):
                 self.caster.cast_flat(master, served, rows,
                                       None if residual is None else residual.narrow(0, start, master.numel()))
-        self.exported = True
         self._cast_now.add(id(hp))
 
     def finish(self) -> None:
         """After a step's exports: advance the step and record it in every group's state."""
-        if not self.exported:
+        if not self._cast_now:
             return
-        self.exported = False
         self._cast_now.clear()
         self.caster.advance()
         for hp, _ in self.groups():
@@ -321,8 +319,7 @@ class OptimizerExport:
                 continue
             for f in fragments:
                 pieces.setdefault(f.name, []).append((f, source.view(-1)))
-        numel = {self.param_names[p]: p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                 for p in self.param_names}
+        numel = {self.param_names[p]: compat.full_numel(p) for p in self.param_names}
         names = sorted(numel)  # the same order on every rank
         offset = dict(zip(names, [0] + list(itertools.accumulate(numel[n] for n in names))))
         device = "cpu" if self.replicated else get_accelerator().current_device_name()

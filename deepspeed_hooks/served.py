@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
+from deepspeed_hooks import compat
 from deepspeed_hooks.checkpoint import read_served
 from faircast_dist.delta import DeltaTracker, index_dtype
 
@@ -35,7 +36,7 @@ def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, t
     """
     import deepspeed
     params = list(engine.module.named_parameters())
-    if not any(hasattr(p, "ds_id") for _, p in params):
+    if not any(compat.is_zero3(p) for _, p in params):
         yield from ((n, p.detach()) for n, p in params)
         return
     for bucket in _zero3_buckets(params, bucket_bytes):
@@ -50,7 +51,7 @@ def _zero3_buckets(params, bucket_bytes: int):
     bucket, size = [], 0
     for i, (name, p) in enumerate(params):
         bucket.append((name, p))
-        size += p.ds_numel * 2
+        size += compat.full_numel(p) * 2
         if size >= bucket_bytes or i == len(params) - 1:
             yield bucket
             bucket, size = [], 0
@@ -80,7 +81,7 @@ def served_deltas(engine, tracker: DeltaTracker,
         bucket_bytes: ZeRO-3 bucket size in bytes (default 256 MiB).
     """
     params = list(engine.module.named_parameters())
-    if not any(hasattr(p, "ds_id") for _, p in params):
+    if not any(compat.is_zero3(p) for _, p in params):
         for name, p in params:
             yield (name, *tracker.diff(name, p.detach()))
         return
@@ -90,17 +91,15 @@ def served_deltas(engine, tracker: DeltaTracker,
 
 @torch.no_grad()
 def _zero3_deltas(bucket, tracker: DeltaTracker):
-    """Each rank diffs its partitions (``ds_tensor``: elements ``[r*pn, (r+1)*pn)`` of the flat
-    param, padding past ``ds_numel`` left out), then one all-gather of counts and one of the
-    packed (index, value bits) lists, as int64, padded to the longest rank's list."""
+    """Each rank diffs its partitions (:func:`deepspeed_hooks.compat.zero3_local`), then one
+    all-gather of counts and one of the packed (index, value bits) lists, as int64, padded to the
+    longest rank's list."""
     from deepspeed import comm as dist
-    group = bucket[0][1].ds_process_group
-    rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
     local = []
     for name, p in bucket:
-        pn = p.ds_tensor.ds_numel
-        numel = max(0, min(pn, p.ds_numel - rank * pn))
-        local.append(tracker.diff(name, p.ds_tensor.data.view(-1).narrow(0, 0, numel), rank * pn, p.ds_numel))
+        part, start, group = compat.zero3_local(p)
+        local.append(tracker.diff(name, part, start, compat.full_numel(p)))
+    rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
     from deepspeed.accelerator import get_accelerator
     device = get_accelerator().current_device_name()  # the communication device (NCCL: CUDA; also with param offload)
     counts = torch.tensor([len(index) for index, _ in local], dtype=torch.int64, device=device)
@@ -123,7 +122,7 @@ def _zero3_deltas(bucket, tracker: DeltaTracker):
             index.append(gathered[r][offsets[r]:offsets[r] + c])
             values.append(gathered[r][longest + offsets[r]:longest + offsets[r] + c])
             offsets[r] += c
-        yield (name, torch.cat(index).to(index_dtype(p.ds_numel)),
+        yield (name, torch.cat(index).to(index_dtype(compat.full_numel(p))),
                torch.cat(values).to(torch.int16).view(torch.bfloat16))
 
 
