@@ -11,7 +11,7 @@ Three ways in, from least to most code:
    parse (the group is added to ``add_megatron_arguments``), and every optimizer built by
    ``get_megatron_optimizer`` reads them from ``get_args()``. With ``--tensorboard-dir`` or
    ``--wandb-project``, the drift telemetry (``export-cast/changed-fraction``, ``lag-steps``,
-   ``gap-ulps``, ``export-ms``) is written at every ``--log-interval`` next to Megatron's own
+   ``gap-ulps``, ``export-ms``) is written at every ``--tensorboard-log-interval`` next to Megatron's own
    scalars (:mod:`megatron_patches.telemetry`; ``--no-export-cast-telemetry`` turns it off).
 
 2. A script with its own ``extra_args_provider``: chain it,

@@ -311,7 +311,7 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
     Raises:
         ValueError: ``fair`` with fp16, without bf16, or with the precision-aware optimizer
             (``use_precision_aware_optimizer`` / ``store_param_remainders``).
-        NotImplementedError: optimizer CPU offload.
+        NotImplementedError: optimizer CPU offload, the optimizer step captured in a CUDA graph.
     """
     if getattr(config, "fp16", False):
         raise ValueError(f"--export-cast fair needs --bf16, but {where} has fp16=True (--fp16): "
@@ -327,6 +327,10 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
             "param is the high half of the master), so there is no master->bf16 cast to replace")
     if getattr(config, "optimizer_cpu_offload", False):
         raise NotImplementedError(f"--export-cast fair does not support --optimizer-cpu-offload yet ({where})")
+    if getattr(config, "optimizer_cuda_graph", False):  # megatron-core >= 0.20
+        raise NotImplementedError(
+            f"--export-cast fair does not support --optimizer-cuda-graph ({where}.optimizer_cuda_graph=True): "
+            "a replayed graph would not advance Fair Cast's export step, so every step would reuse one key")
 
 
 def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool = False,

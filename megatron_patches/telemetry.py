@@ -13,8 +13,8 @@ over the TP/PP/DP ranks) and reduced over all ranks:
 ==============================  ===================================================
 
 With ``megatron_patches.activate()`` in a Megatron-LM launch script they are written at every
-``--log-interval`` to the TensorBoard writer (``--tensorboard-dir``) and to W&B
-(``--wandb-project``), next to Megatron's own scalars; ``--no-export-cast-telemetry`` turns them
+``--tensorboard-log-interval`` (default 1), as Megatron's own ``training_log`` writes its scalars,
+to the TensorBoard writer (``--tensorboard-dir``) and to W&B (``--wandb-project``); ``--no-export-cast-telemetry`` turns them
 off, and without a writer nothing is measured. Code that drives the optimizer itself calls
 ``install(..., telemetry=True)`` and then :func:`drift_metrics` (collective) when it logs.
 """
@@ -73,7 +73,7 @@ def wrap_training_log(training, optimizers: list, wraps=None) -> None:
     """Make Megatron-LM's ``training.training_log`` also write the drift of ``optimizers[-1]``.
 
     ``train()`` calls ``training_log`` on every rank after every iteration; at iterations that are
-    multiples of ``--log-interval`` the wrapper reduces the telemetry (collective) and writes it
+    multiples of ``--tensorboard-log-interval`` (where Megatron writes its own scalars) the wrapper reduces the telemetry (collective) and writes it
     with Megatron's ``get_tensorboard_writer()`` / ``get_wandb_writer()`` (set on the last rank).
     Idempotent. Warns (``RuntimeWarning``) when ``training_log``'s signature has no ``iteration``.
 
@@ -95,7 +95,7 @@ def wrap_training_log(training, optimizers: list, wraps=None) -> None:
         result = original(*args, **kwargs)
         from megatron.training import global_vars
         iteration = signature.bind_partial(*args, **kwargs).arguments.get("iteration")
-        interval = getattr(global_vars.get_args(), "log_interval", 1) or 1
+        interval = getattr(global_vars.get_args(), "tensorboard_log_interval", 1) or 1
         if optimizers and iteration is not None and iteration % interval == 0:
             metrics = drift_metrics(optimizers[-1])
             if metrics is not None:

@@ -3,13 +3,15 @@ uses (the package is not in the megatron-core wheel), shared by the single-proce
 multi-rank worker:
 
 * ``arguments.add_megatron_arguments`` (the Megatron-LM flags we read: ``--bf16``,
-  ``--tensorboard-dir``, ``--wandb-project``, ``--log-interval``) and ``parse_args`` in Megatron-LM's
+  ``--tensorboard-dir``, ``--wandb-project``, ``--log-interval``, ``--tensorboard-log-interval``) and ``parse_args`` in Megatron-LM's
   order of calls (``add_megatron_arguments``, then the script's ``extra_args_provider``);
 * ``global_vars``: ``get_args`` (set by the test) and the TensorBoard / W&B writers, which exist
   where Megatron-LM makes them (with ``--tensorboard-dir`` / ``--wandb-project``; here on rank 0)
   and record what they are given in ``written`` as ``("tb" | "wandb", name, value, step)``;
 * ``training``: ``get_megatron_optimizer`` imported by name and ``training_log`` with Megatron-LM's
-  signature (core_r0.16), which ``train()`` calls on every rank after every iteration.
+  signature (``megatron/training/training.py`` at ``core_v0.16.1``: ``iteration`` 4th, then
+  ``max_attention_logit``, ``pg_collection``, ``is_first_iteration``), which ``train()`` calls on every
+  rank after every iteration.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def modules() -> types.SimpleNamespace:
         parser.add_argument("--tensorboard-dir")
         parser.add_argument("--wandb-project")
         parser.add_argument("--log-interval", type=int, default=100)
+        parser.add_argument("--tensorboard-log-interval", type=int, default=1)
         return parser
 
     def parse_args(extra_args_provider=None, argv=()):
@@ -55,8 +58,9 @@ def modules() -> types.SimpleNamespace:
     def first():
         return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
-    def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, iteration, loss_scale,
-                     report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad):
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, params_norm, num_zeros_in_grad, max_attention_logit,
+                     pg_collection=None, is_first_iteration=False):
         return report_memory_flag  # Megatron-LM writes its own scalars here
 
     arguments.add_megatron_arguments, arguments.parse_args = add_megatron_arguments, parse_args

@@ -340,7 +340,8 @@ def _run_job(tp, pp, job: dict) -> dict:
             train_step(model, optimizer, first + k)
         record["master_copies"] += probe.count
         if "megatron_lm" in job:  # as Megatron-LM's train() does after every iteration
-            lm.training.training_log({}, {}, 1e-3, None, first + k + 1, 1.0, False, 0, 1.0, None, None)
+            lm.training.training_log({}, {}, 1e-3, first + k + 1, 1.0, False, 0, 1.0, None, None, None,
+                                     pg_collection=None, is_first_iteration=k == 0)
         elif job.get("telemetry"):
             from megatron_patches import drift_metrics
             record["drift"].append(drift_metrics(optimizer))

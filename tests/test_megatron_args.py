@@ -77,6 +77,8 @@ def test_optimizer_config_checks():
         check_config(SimpleNamespace(bf16=True, use_precision_aware_optimizer=True, store_param_remainders=True))
     with pytest.raises(NotImplementedError, match="cpu-offload"):
         check_config(SimpleNamespace(bf16=True, optimizer_cpu_offload=True))
+    with pytest.raises(NotImplementedError, match="--optimizer-cuda-graph"):
+        check_config(SimpleNamespace(bf16=True, optimizer_cuda_graph=True))
 
 
 @pytest.fixture
