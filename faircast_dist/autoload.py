@@ -36,13 +36,14 @@ ENV = "FAIRCAST_EXPORT_CAST"
 STARTUP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
 
 
-def env_config() -> ExportCastConfig | None:
-    """The export-cast config ``FAIRCAST_EXPORT_CAST`` asks for, or None when it is unset or empty.
+def env_config(environ=os.environ) -> ExportCastConfig | None:
+    """The export-cast config ``FAIRCAST_EXPORT_CAST`` (in ``environ``) asks for, or None when it is
+    unset or empty.
 
     Raises:
         ConfigError / TypeError: a bad value (the message names the variable and the key).
     """
-    value = os.environ.get(ENV)
+    value = environ.get(ENV)
     if not value:
         return None
     try:
@@ -80,9 +81,8 @@ def main(argv=None) -> None:
     env = launch_env(args.export_cast)
     if ENV not in env:
         p.error(f"set {ENV} or pass --export-cast")
-    os.environ.update(env)
     try:
-        env_config()  # a bad value fails here, before anything is launched
+        env_config(env)  # a bad value fails here, before anything is launched
     except (ConfigError, TypeError) as err:
         p.error(str(err))
     if args.print_env:
@@ -90,6 +90,7 @@ def main(argv=None) -> None:
         return
     if not args.command:
         p.error("no command to run")
+    os.environ.update(env)
     os.execvp(args.command[0], args.command)
 
 

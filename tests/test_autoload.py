@@ -87,9 +87,11 @@ def test_without_the_variable_nothing_is_installed_and_a_shadowed_sitecustomize_
 
 def test_print_env_gives_what_a_ray_runtime_env_needs(capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    monkeypatch.delenv(autoload.ENV, raising=False)
     autoload.main(["--export-cast", SR7, "--print-env"])
     env = json.loads(capsys.readouterr().out)
     assert env == {"PYTHONPATH": os.pathsep.join([autoload.STARTUP_DIR, "/somewhere"]), autoload.ENV: SR7}
     with pytest.raises(SystemExit):
         autoload.main(["--export-cast", '{"mode": "fiar"}', "--print-env"])
+    assert autoload.ENV not in os.environ  # printing changes nothing here (later tests spawn workers)
     assert "FAIRCAST_EXPORT_CAST='{\"mode\": \"fiar\"}': export_cast.mode must be one of" in capsys.readouterr().err
