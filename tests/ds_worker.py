@@ -160,10 +160,14 @@ def _worker(rank, world_size, port, opts, out_path):
               "optimizer": type(engine.optimizer).__name__, "restored": restored}
     device = engine.device
 
+    def gathered(module):  # {name: flat bf16 copy on the host} of every param, gathered under ZeRO-3
+        params = list(module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().reshape(-1).to("cpu", copy=True) for n, p in params}
+
     def snapshot():
         params = list(engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            bf16 = {n: p.detach().reshape(-1).to("cpu", copy=True) for n, p in params}
+        bf16 = gathered(engine.module)
         if export is None:
             return bf16, {n: deepspeed.utils.safe_get_full_fp32_param(p).reshape(-1).to("cpu", copy=True) for n, p in params}, {}
         return bf16, export.gather(), export.gather(RESIDUAL_KEY)
@@ -239,11 +243,8 @@ def _worker(rank, world_size, port, opts, out_path):
     record["served_api"] = {n: t.reshape(-1).to("cpu", copy=True) for n, t in served_weights(engine, bucket_bytes=1024)}
     record["method"] = export.caster.method if export else None
     if reference is not None:
-        params = list(reference.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            record["reference"] = {"optimizer": type(reference.optimizer).__name__,
-                                   "fair": hasattr(reference.optimizer, "fair_export"),
-                                   "bf16": {n: p.detach().reshape(-1).to("cpu", copy=True) for n, p in params}}
+        record["reference"] = {"optimizer": type(reference.optimizer).__name__,
+                               "fair": hasattr(reference.optimizer, "fair_export"), "bf16": gathered(reference.module)}
     record["export_step"] = export.caster.step if export else None
     torch.save(record, f"{out_path}.{rank}.tmp")
     os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}")  # complete, or absent
