@@ -70,8 +70,9 @@ class FairCaster:
         """What the cast does (a :class:`~faircast_dist.config.Method`, equal to its config string)."""
         return self.config.effective_method
 
-    def key(self, name: str) -> tuple[int, int]:
-        """Philox key ``(k0, k1)`` of param ``name``'s random bits at the current step.
+    def key(self, name: str, step: int | None = None) -> tuple[int, int]:
+        """Philox key ``(k0, k1)`` of param ``name``'s random bits at export ``step`` (default: the
+        current step, :attr:`step`).
 
         Stochastic rounding: :func:`~faircast_dist.philox.derive_key` (seed, step, name), fresh
         bits at every export. Dithered rounding: :func:`~faircast_dist.philox.derive_dither_key`
@@ -82,7 +83,7 @@ class FairCaster:
             ValueError: when the method draws no random bits (nearest, error feedback).
         """
         if self.method is Method.STOCHASTIC:
-            return derive_key(self.config.seed, self.step, name)
+            return derive_key(self.config.seed, self.step if step is None else step, name)
         if self.method is Method.DITHERED:
             return derive_dither_key(self.config.seed, name)
         raise ValueError(f"export cast method {self.method.value!r} draws no random bits: it has no Philox key")
@@ -151,7 +152,8 @@ class FairCaster:
                                  None if residual is None else [residual], backend)[0]
 
     def cast_tensors(self, masters: list[torch.Tensor], outs: list[torch.Tensor], fragments,
-                     residuals: list[torch.Tensor] | None = None, backend: str = "auto") -> list[torch.Tensor]:
+                     residuals: list[torch.Tensor] | None = None, backend: str = "auto",
+                     step: int | None = None) -> list[torch.Tensor]:
         """Multi-tensor :meth:`cast_flat`: the param fragments of many flat buffers in one fused call
         (:func:`faircast_dist.fused.cast_tensors`; e.g. every master shard of a Megatron optimizer).
 
@@ -163,6 +165,8 @@ class FairCaster:
                 then as in :meth:`cast_flat`.
             residuals: error feedback only (required then): one buffer per master, updated in place.
             backend: see :func:`faircast_dist.fused.resolve_backend`.
+            step: the export step whose random bits to draw (default: the current one; an earlier
+                step recasts that export's bits from the same masters, e.g. to serve it again).
 
         Returns:
             ``outs``.
@@ -179,7 +183,7 @@ class FairCaster:
         if method.needs_residual and residuals is None:
             raise ValueError("FairCaster.cast_flat: error feedback needs the buffer's residual")
         keyed = method.keyed  # every keyed method is stochastic rounding in the kernel
-        keys = {name: self.key(name) if keyed else (0, 0) for _, name, _, _, _ in rows}
+        keys = {name: self.key(name, step) if keyed else (0, 0) for _, name, _, _, _ in rows}
         table = [(k, start, numel, index, *keys[name]) for k, name, start, numel, index in rows]
         targets = [o if o.device == m.device else torch.empty(m.shape, dtype=torch.bfloat16, device=m.device)
                    for m, o in zip(masters, outs)]

@@ -6,7 +6,13 @@ reads this file and the list of wraps in :func:`megatron_patches.optimizer.insta
 :func:`megatron_patches.activate`. Checked against megatron-core 0.16.1 (CI) and 0.19.2
 (``bash tests/megatron_019.sh``). Between the two, the copy methods, group attribute names and
 checkpoint entry points used here are the same; 0.19 adds FP4 params and
-``_is_distopt_quantized_param`` (both refused by Fair Cast).
+``_is_distopt_quantized_param`` (both refused by Fair Cast). megatron-core 0.20.0 (Megatron-LM main,
+read, not run): every name below is still there with the same meaning; it adds
+``--optimizer-cuda-graph`` (refused: a replayed step would not advance Fair Cast's export step) and
+``prepare_model_params_for_param_sync``, which calls :data:`COPY_TO_PARAM_BUFFER` outside the
+optimizer step for MXFP8 grad-buffer reuse (``--reuse-grad-buf-for-mxfp8-param-ag``, refused: MXFP8
+params are not bf16 casts); Megatron FSDP's ``FullyShardedOptimizer`` has its own copy methods
+(refused).
 
 Seams: the master -> bf16 copy is its own method on every optimizer (:data:`COPY_TO_MODEL`, and
 :data:`COPY_TO_PARAM_BUFFER`, :data:`COPY_TO_MAIN`), wrapped per instance. The DistributedOptimizer's
@@ -25,7 +31,7 @@ from megatron.core.optimizer.optimizer import (ChainedOptimizer, Float16Optimize
 __all__ = ["VERSION", "ShardedTensor", "ShardedTensorFactory", "DistributedOptimizer",
            "Float16OptimizerWithFloat16Params", "ChainedOptimizer", "FP32Optimizer",
            "is_quantized_param", "uses_precision_aware_optimizer", "sub_optimizers", "COPY_TO_MODEL",
-           "COPY_TO_PARAM_BUFFER", "COPY_TO_MAIN", "master_shards", "stock_copy_target", "bucket_params",
+           "COPY_TO_PARAM_BUFFER", "COPY_TO_MAIN", "STEP", "master_shards", "stock_copy_target", "bucket_params",
            "data_parallel_group", "is_stub", "uses_megatron_fsdp"]
 
 VERSION = (package_info.MAJOR, package_info.MINOR, package_info.PATCH)
@@ -36,6 +42,9 @@ COPY_TO_MODEL = "_copy_main_params_to_model_params"
 COPY_TO_PARAM_BUFFER = "_copy_main_params_to_param_buffer"
 #: model -> master (``reload_model_params``)
 COPY_TO_MAIN = "_copy_model_params_to_main_params"
+#: the leaf's inner optimizer step, then :data:`COPY_TO_MODEL` (public; megatron-core's
+#: ``MixedPrecisionOptimizer.step`` and ``ChainedOptimizer`` call it on each leaf)
+STEP = "step_with_ready_grads"
 
 
 def master_shards(leaf) -> list[tuple[torch.nn.Parameter, torch.Tensor, int, int]]:

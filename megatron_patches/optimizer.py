@@ -35,6 +35,7 @@ State (in :class:`MegatronExport`, carried by the optimizer's ``sharded_state_di
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -85,8 +86,11 @@ class MegatronExport:
         self.distributed = isinstance(optimizer, compat.DistributedOptimizer)
         self.layouts = layouts
         self.residuals = {}
+        self.served = {}  # error feedback: {id(model param): bf16 copy of the shard's last export}
         if caster.method.needs_residual:
             self.residuals = {id(s.model_param): caster.new_residual(s.main) for s in self.shards()}
+            self.served = {id(s.model_param): self._target(s).clone() for s in self.shards()}
+        self.stepping = False  # inside the leaf's step_with_ready_grads (see in_step)
         self._internal_load = False
         self._runs = {}  # (id(model param), start, end) -> fused-cast segments of that shard
         self.telemetry: ExportObserver = ExportObserver()  # a DriftObserver with install(telemetry=True)
@@ -103,24 +107,48 @@ class MegatronExport:
         return compat.stock_copy_target(self.optimizer, shard.model_param)
 
     # -- the export -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def in_step(self):
+        """The scope of the leaf's ``step_with_ready_grads``: the masters were just updated, so the
+        copy to the model in it is a new export. A copy anywhere else (a colocated RL stack
+        rebuilding an offloaded bf16 model from the masters, a post-load sync) is :meth:`replay`."""
+        self.stepping = True
+        try:
+            yield
+        finally:
+            self.stepping = False
+
+    def copy(self) -> None:
+        """What Megatron's master -> model copy does under Fair Cast: :meth:`export` inside the
+        optimizer step, :meth:`replay` outside it."""
+        if self.stepping:
+            self.export()
+        else:
+            self.replay()
+
+    def _operands(self, shards):
+        """``(masters, outs, fragments)`` of one fused call over ``shards`` (see :meth:`export`)."""
+        masters, outs, fragments = [], [], []
+        for k, shard in enumerate(shards):
+            masters.append(shard.main.detach().view(-1))
+            outs.append(self._target(shard))
+            if outs[-1].dtype != torch.bfloat16:
+                raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {outs[-1].dtype}, not bfloat16")
+            fragments += [(k, *run) for run in self._shard_runs(shard)]
+        return masters, outs, fragments
+
     @torch.no_grad()
     def export(self) -> None:
         """Write the Fair Cast of this rank's masters into its bf16 targets; advance the step.
 
         One fused multi-tensor call for all master shards (like ``multi_tensor_applier`` for the
         stock copy): each shard's segments are the runs of consecutive global indices (one for a
-        contiguous range, one per row of a TP block split on a later dim).
+        contiguous range, one per row of a TP block split on a later dim). Error feedback also
+        keeps a copy of what it wrote (:meth:`replay` needs it).
         """
-        masters, outs, residuals, fragments = [], [], [], []
         shards = self.shards()
-        for k, shard in enumerate(shards):
-            masters.append(shard.main.detach().view(-1))
-            outs.append(self._target(shard))
-            if outs[-1].dtype != torch.bfloat16:
-                raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {outs[-1].dtype}, not bfloat16")
-            residual = self.residuals.get(id(shard.model_param))
-            residuals.append(None if residual is None else residual.view(-1))
-            fragments += [(k, *run) for run in self._shard_runs(shard)]
+        masters, outs, fragments = self._operands(shards)
+        residuals = [self.residuals[id(s.model_param)].view(-1) for s in shards] if self.residuals else None
 
         def pieces():  # what the telemetry counts: each element once over all ranks
             return [((id(s.model_param), s.start, s.end), m, o, self._shard_runs(s))
@@ -128,9 +156,38 @@ class MegatronExport:
         self.telemetry.begin(pieces)
         if masters:  # a DP rank may own no bf16 range
             with self.telemetry.span(masters[0].device):
-                self.caster.cast_tensors(masters, outs, fragments, residuals if self.residuals else None)
+                self.caster.cast_tensors(masters, outs, fragments, residuals)
         self.caster.advance()
         self.telemetry.end(pieces)
+        self._keep_served(shards)
+
+    @torch.no_grad()
+    def replay(self) -> None:
+        """Write the last export into the bf16 targets again, bit for bit: the step does not advance,
+        the residuals and the telemetry are untouched (the served model has not changed).
+
+        Stochastic / dithered rounding recast the unchanged masters with the last export's keys
+        (step - 1); before the first export the model holds the masters' round-to-nearest values
+        (Megatron builds the masters from the bf16 model). Error feedback cannot recompute it (its
+        last export rounded master + the previous residual, which the update overwrote), so it
+        copies the bf16 shard it keeps: 2 bytes per master element of the rank.
+        """
+        shards = self.shards()
+        if self.served:
+            for shard in shards:
+                self._target(shard).copy_(self.served[id(shard.model_param)])
+            return
+        masters, outs, fragments = self._operands(shards)
+        if self.caster.step == 0:
+            for out, master in zip(outs, masters):
+                out.copy_(master)
+        elif masters:
+            self.caster.cast_tensors(masters, outs, fragments, step=self.caster.step - 1)
+
+    def _keep_served(self, shards) -> None:
+        """Error feedback: copy the bf16 targets of ``shards`` (what is served now) into :attr:`served`."""
+        for shard in shards if self.served else ():
+            self.served[id(shard.model_param)].copy_(self._target(shard))
 
     def _counts(self, shard: _Shard) -> bool:
         """:meth:`counts`, decided once per shard (not every step)."""
@@ -171,10 +228,12 @@ class MegatronExport:
         return ReplaceCopies(lambda dest, src: dest.dtype == torch.bfloat16 and dest.numel() == src.numel()
                              and (dest.data_ptr(), src.data_ptr(), src.numel()) in stock)
 
-    def reset_residuals(self) -> None:
-        """Zero the residuals (after the masters were reloaded from the model)."""
+    def reloaded(self) -> None:
+        """After the masters were reloaded from the model (``reload_model_params``): zero the
+        residuals; the model is what is served."""
         for r in self.residuals.values():
             r.zero_()
+        self._keep_served(self.shards())
 
     # -- the wraps (listed by _wrap, each ``original -> replacement``) ----------------------------
     def wrap_copy_skipping_stock(self, copy):
@@ -183,9 +242,17 @@ class MegatronExport:
         def copy_then_cast(*args, **kwargs):
             with self.skip_stock_copies():
                 result = copy(*args, **kwargs)
-            self.export()
+            self.copy()
             return result
         return copy_then_cast
+
+    def wrap_step_with_ready_grads(self, step):
+        """``step_with_ready_grads``: run it :meth:`in_step` (its copy to the model exports)."""
+        @functools.wraps(step)
+        def fair_step(*args, **kwargs):
+            with self.in_step():
+                return step(*args, **kwargs)
+        return fair_step
 
     def wrap_sharded_state_dict(self, sharded_state_dict):
         """``sharded_state_dict``: add this optimizer's export-cast entry (:meth:`sharded_state`)."""
@@ -280,8 +347,11 @@ class MegatronExport:
         action, warning = adopt_residuals(self.caster.method, bool(saved), state.get("method"))
         if warning is not None:
             logger.warning("Fair Cast: %s", warning)
+        # the model was loaded first (as Megatron-LM's load_checkpoint does): it is the saved export
         if action == "zero":
-            self.reset_residuals()
+            self.reloaded()
+        else:
+            self._keep_served(self.shards())
         if action != "keep":
             return
         for shard in self.shards():
@@ -311,7 +381,8 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
     Raises:
         ValueError: ``fair`` with fp16, without bf16, or with the precision-aware optimizer
             (``use_precision_aware_optimizer`` / ``store_param_remainders``).
-        NotImplementedError: optimizer CPU offload, the optimizer step captured in a CUDA graph.
+        NotImplementedError: optimizer CPU offload, MXFP8 grad-buffer reuse, the optimizer step
+            captured in a CUDA graph.
     """
     if getattr(config, "fp16", False):
         raise ValueError(f"--export-cast fair needs --bf16, but {where} has fp16=True (--fp16): "
@@ -327,6 +398,11 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
             "param is the high half of the master), so there is no master->bf16 cast to replace")
     if getattr(config, "optimizer_cpu_offload", False):
         raise NotImplementedError(f"--export-cast fair does not support --optimizer-cpu-offload yet ({where})")
+    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise NotImplementedError(
+            f"--export-cast fair does not support --reuse-grad-buf-for-mxfp8-param-ag ({where}."
+            "reuse_grad_buf_for_mxfp8_param_ag=True): it serves MXFP8 params, not bf16 ones, and with "
+            "--overlap-param-gather Megatron-LM copies the masters outside the optimizer step")
     if getattr(config, "optimizer_cuda_graph", False):  # megatron-core >= 0.20
         raise NotImplementedError(
             f"--export-cast fair does not support --optimizer-cuda-graph ({where}.optimizer_cuda_graph=True): "
@@ -416,10 +492,12 @@ def _wrap(leaf, export: MegatronExport) -> None:
         wraps.wrap(leaf, compat.COPY_TO_MODEL, export.wrap_copy_skipping_stock)
     else:
         # the stock copy writes exactly the bf16 params Fair Cast writes: replaced, not repeated
-        wraps.set(leaf, compat.COPY_TO_MODEL, export.export)
+        wraps.set(leaf, compat.COPY_TO_MODEL, export.copy)
     if hasattr(leaf, compat.COPY_TO_PARAM_BUFFER):
-        wraps.wrap(leaf, compat.COPY_TO_PARAM_BUFFER, functools.partial(_then, export.export))
-    wraps.wrap(leaf, compat.COPY_TO_MAIN, functools.partial(_then, export.reset_residuals))
+        wraps.wrap(leaf, compat.COPY_TO_PARAM_BUFFER, functools.partial(_then, export.copy))
+    # only the copy inside the optimizer step is a new export (MegatronExport.copy)
+    wraps.wrap(leaf, compat.STEP, export.wrap_step_with_ready_grads)
+    wraps.wrap(leaf, compat.COPY_TO_MAIN, functools.partial(_then, export.reloaded))
     wraps.wrap(leaf, "sharded_state_dict", export.wrap_sharded_state_dict)
     wraps.wrap(leaf, "load_state_dict", export.wrap_load_state_dict)
     wraps.set(leaf, "export_cast", export)

@@ -203,7 +203,7 @@ def main(argv=None):
     masks = padding_masks(hf_config, tp)
     exports = Exports(list(master), master, args.export_cast_seed, args.max_lag, args.lag_sample, eval_model,
                       collate(eval_pairs), to_eval=lambda params: megatron_to_hf(params, hf_config),
-                      counted=masks) if rank == 0 else None
+                      counted=masks, export_threads=max(1, (os.cpu_count() or 1) // world)) if rank == 0 else None
     if rank == 0:
         from megatron_patches.compat import sub_optimizers
         leaf_names = "+".join(type(o).__name__ for o in sub_optimizers(optimizer))

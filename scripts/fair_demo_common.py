@@ -111,13 +111,16 @@ class Exports:
         counted: optional ``{name: bool tensor shaped like the param}``, the elements that count
             in ``changed_pct`` / ``lag_steps`` / ``gap_ulps`` (e.g. not the zero heads Megatron
             pads for TP); params not in it count whole. Every element is still exported.
+        export_threads: the intra-op threads each export runs (and is timed) with: the trainer's
+            per rank, which its own cast runs with (the evaluations use whatever is set).
 
     ``changed_pct`` counts every counted element; ``lag_steps`` and ``gap_ulps`` use one fixed
     random sample of ``lag_sample`` counted elements (the LagTracker's), which keeps each step cheap.
     """
 
     def __init__(self, names, master0, seed, max_lag, lag_sample, eval_model, eval_batch,
-                 to_eval: Optional[Callable[[dict], dict]] = None, counted: Optional[dict] = None):
+                 to_eval: Optional[Callable[[dict], dict]] = None, counted: Optional[dict] = None,
+                 export_threads: int = 1):
         from faircast_dist import FairCaster
         from faircast_dist.telemetry import LagTracker
         self.names = list(names)
@@ -130,6 +133,9 @@ class Exports:
         self.numel = sum(self._count(n, master0[n]) for n in self.names)
         self.casters = {m: FairCaster(export_cast_config(m, seed)) for m in METHODS}
         self.served = {m: {n: master0[n].to(torch.bfloat16) for n in self.names} for m in METHODS}
+        # each method's next export is written into its spare set, which then swaps with the served
+        # one: like a trainer's bf16 buffers, allocated once, so the export column times the cast only
+        self.spare = {m: {n: torch.empty_like(t) for n, t in served.items()} for m, served in self.served.items()}
         self.lag = {m: LagTracker(self.numel, lag_sample, max_lag, seed=0) for m in METHODS}
         # where the sampled indices (over the counted elements, in name order) fall: per param, the
         # flat positions in that param
@@ -147,6 +153,7 @@ class Exports:
         self.eval_model, (self.eval_ids, self.eval_labels) = eval_model, eval_batch
         self.to_eval = to_eval or (lambda params: params)
         self.load_ms = self._load_kernels(master0[self.names[0]].device)
+        self.steps, self.export_threads = 0, export_threads
 
     @staticmethod
     def _load_kernels(device) -> float:
@@ -165,11 +172,12 @@ class Exports:
         return (f"Fused cast kernels built/loaded by the first call of the process in {self.load_ms:.0f} ms "
                 f"(not in the export ms column, which times one fused call over the whole model per method)")
 
-    def export(self, caster, master) -> dict:
-        """One export of ``master`` (``{name: float32}``) by ``caster``: one fused multi-tensor call
-        over every param, as a trainer's own export is; ``{name: bfloat16 tensor}``."""
+    def export(self, caster, master, out) -> dict:
+        """One export of ``master`` (``{name: float32}``) by ``caster`` into ``out`` (``{name:
+        bfloat16 tensor}``, preallocated like a trainer's bf16 params): one fused multi-tensor call
+        over every param, as a trainer's own export is; returns ``out``."""
         masters = [master[n].contiguous().view(-1) for n in self.names]
-        outs = [torch.empty(m.shape, dtype=torch.bfloat16, device=m.device) for m in masters]
+        outs = [out[n].view(-1) for n in self.names]
         rows = [(k, n, 0, m.numel(), 0) for k, (n, m) in enumerate(zip(self.names, masters))]
         residuals = None
         if caster.method == "error_feedback":
@@ -178,7 +186,7 @@ class Exports:
                     caster.residuals[n] = caster.new_residual(m)
             residuals = [caster.residuals[n] for n in self.names]
         caster.cast_tensors(masters, outs, rows, residuals)
-        return {n: o.view(master[n].shape) for n, o in zip(self.names, outs)}
+        return out
 
     def _count(self, name, tensor) -> int:
         return int(self.counted[name].sum()) if name in self.counted else tensor.numel()
@@ -202,7 +210,8 @@ class Exports:
             last step), delta_pct (bytes of the delta sync of those changes, an int32 index and
             a bf16 value each, as a % of a full sync's 2 bytes per counted element), lag_steps
             (int), gap_ulps (mean |served - master| in bf16 ulps), logp_gap (nats/token), kl
-            (nats/token), export_ms (wall ms of the export: one fused call, kernels loaded)}}``.
+            (nats/token), export_ms (wall ms of the export: one fused call, kernels loaded, at
+            ``export_threads``)}}``.
         """
         from faircast_dist.delta import diff, payload_bytes
         from faircast_dist.telemetry import gap_ulps, logprob_gap
@@ -210,11 +219,20 @@ class Exports:
         master_logits, targets = self.logits(master)
         mask = targets != -100
         rows = {}
-        for m, caster in self.casters.items():
-            t0 = time.perf_counter()
-            served = self.export(caster, master)
-            caster.advance()
-            export_ms = 1e3 * (time.perf_counter() - t0)
+        # the methods take turns going first (the first export after the forward passes above meets
+        # a cold cache), so no column carries that cost every step
+        first = self.steps % len(METHODS)
+        self.steps += 1
+        for m in METHODS[first:] + METHODS[:first]:
+            caster, threads = self.casters[m], torch.get_num_threads()
+            torch.set_num_threads(self.export_threads)
+            try:
+                t0 = time.perf_counter()
+                served = self.export(caster, master, self.spare[m])
+                caster.advance()
+                export_ms = 1e3 * (time.perf_counter() - t0)
+            finally:
+                torch.set_num_threads(threads)
             deltas = [(n, *diff(self.served[m][n], served[n])) for n in self.names]
             changed = sum(int(self.counted[n].reshape(-1)[index.long()].sum()) if n in self.counted else len(index)
                           for n, index, _ in deltas)
@@ -225,8 +243,8 @@ class Exports:
                            lag_steps=self.lag[m].update(master_sample, served_sample),
                            gap_ulps=gap_ulps(served_sample, master_sample), logp_gap=logp_gap, kl=kl,
                            export_ms=export_ms)
-            self.served[m] = served
-        return rows
+            self.served[m], self.spare[m] = served, self.served[m]
+        return {m: rows[m] for m in METHODS}
 
 
 def summarize(records, trainer_cast, out_dir, trainer_matches: bool, notes: tuple[str, ...] = (),

@@ -239,7 +239,21 @@ def set_state(model, optimizer, seed: int):
 
 
 def export_only(model, optimizer):
-    """One export without an update (the copy the optimizer step ends with, then the gather)."""
+    """One export without an update (the copy the optimizer step ends with, in the step's scope,
+    then the gather)."""
+    for leaf in leaves(optimizer):
+        with leaf.export_cast.in_step():
+            leaf._copy_main_params_to_model_params()
+    if model.ddp_config.use_distributed_optimizer:
+        model.start_param_sync(force_sync=True)
+
+
+def offload_and_rebuild(model, optimizer):
+    """What a colocated RL stack does between rollouts (radixark/miles' offload/onload): the bf16
+    model's memory is released (here: overwritten with NaN) and rebuilt from the masters with each
+    leaf's ``_copy_main_params_to_model_params`` and the DistOpt param all-gather, outside any step."""
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
     for leaf in leaves(optimizer):
         leaf._copy_main_params_to_model_params()
     if model.ddp_config.use_distributed_optimizer:
@@ -285,7 +299,8 @@ def _strategy():
 def _run_job(tp, pp, job: dict) -> dict:
     """Keys: export_cast, distopt, steps, first (step number of the first step), how,
     load/save (dir) + sharding, set_state (seed) + exports (export-only count), fp16,
-    reload (call reload_model_params at the end), param_buffer (compare the two copy paths)."""
+    reload (call reload_model_params at the end), param_buffer (compare the two copy paths),
+    rebuild_after (step numbers after which the bf16 model is offloaded and rebuilt from the masters)."""
     from faircast_dist import ExportCastConfig
     config = ExportCastConfig.from_value(job.get("export_cast"))
     ef = config.effective_method == "error_feedback"
@@ -310,7 +325,7 @@ def _run_job(tp, pp, job: dict) -> dict:
     record["installed"] = [type(e.optimizer).__name__ for e in exports(optimizer)]
     record["instance_wraps"] = sorted({n for leaf in leaves(optimizer) for n in vars(leaf) if n in (
         "_copy_main_params_to_model_params", "_copy_main_params_to_param_buffer", "_copy_model_params_to_main_params",
-        "sharded_state_dict", "load_state_dict", "export_cast")})
+        "step_with_ready_grads", "sharded_state_dict", "load_state_dict", "export_cast")})
     if job.get("load"):
         load(model, optimizer, job["load"], job.get("sharding", "dp_reshardable"))
         record["loaded"] = snapshot(model, optimizer, ef)
@@ -334,6 +349,8 @@ def _run_job(tp, pp, job: dict) -> dict:
     record["drift"] = []
     from faircast_dist.telemetry import DriftObserver
     record["drift_on"] = [isinstance(e.telemetry, DriftObserver) for e in exports(optimizer)]
+    if 0 in job.get("rebuild_after", ()):
+        rebuild(model, optimizer, record, ef)
     for k in range(job.get("steps", 0)):
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
         with CopyProbe(optimizer) as probe:
@@ -352,6 +369,8 @@ def _run_job(tp, pp, job: dict) -> dict:
             record["rtn_differs"] += dif
         record["snaps"].append(snap)
         prev = snap
+        if k + 1 in job.get("rebuild_after", ()):
+            rebuild(model, optimizer, record, ef)
         if job.get("save") and k + 1 == job.get("save_after", job["steps"]):
             save(model, optimizer, job["save"], job.get("sharding", "dp_reshardable"))
             record["saved"] = snap
@@ -365,6 +384,14 @@ def _run_job(tp, pp, job: dict) -> dict:
         record["after_reload"] = snapshot(model, optimizer, ef)
     record["replica_mismatch"] = sum(s["replica_mismatch"] for s in record["snaps"])
     return record
+
+
+def rebuild(model, optimizer, record, ef: bool):
+    """:func:`offload_and_rebuild`, recording the rebuilt model and each leaf's (step before, after)."""
+    before = [e.caster.step for e in exports(optimizer)]
+    offload_and_rebuild(model, optimizer)
+    record.setdefault("rebuilt", []).append(dict(snapshot(model, optimizer, ef), steps=[
+        (b, e.caster.step) for b, e in zip(before, exports(optimizer))]))
 
 
 _STANDIN = []  # one set of Megatron-LM stand-ins per process, as Megatron-LM has one megatron.training
@@ -408,7 +435,8 @@ def _compare_copy_paths(model, optimizer):
                 export.residuals[k].copy_(v)
             for t in buffers:
                 t.fill_(float("nan"))
-            copy()
+            with export.in_step():  # as the optimizer step calls it
+                copy()
             return [_bits(export._target(s)).clone() for s in export.shards()], export.caster.step - step
 
         a, _ = written(leaf._copy_main_params_to_model_params)

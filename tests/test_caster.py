@@ -47,6 +47,17 @@ def test_caster_steps_key_the_bits():
     assert not torch.equal(b, c.cast("v", x))  # the name keys the bits too
 
 
+def test_cast_tensors_at_an_earlier_step_recasts_that_exports_bits():
+    x = torch.randn(5000)
+    c = FairCaster({"mode": "fair", "seed": 11})
+    first = c.cast_tensors([x], [torch.empty(5000, dtype=torch.bfloat16)], [(0, "w", 0, 5000, 0)])[0]
+    c.advance()
+    again = c.cast_tensors([x], [torch.empty(5000, dtype=torch.bfloat16)], [(0, "w", 0, 5000, 0)], step=0)[0]
+    assert c.step == 1 and torch.equal(first.view(torch.int16), again.view(torch.int16))
+    assert torch.equal(again, cast_stochastic(x, derive_key(11, 0, "w"), 0))
+    assert c.key("w", 0) == derive_key(11, 0, "w") != c.key("w")
+
+
 def test_dithered_caster_uses_the_stepless_dither_key():
     x = torch.randn(5000)
     c = FairCaster({"mode": "fair", "method": "dithered", "seed": 11})

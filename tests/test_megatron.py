@@ -34,6 +34,7 @@ CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "ful
 LAYOUTS = [(1, 1, 1, True), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, True), (1, 1, 2, False),
            (2, 1, 2, True), (2, 2, 1, False)]
 BIG = {(2, 1, 2, True), (2, 2, 1, False)}  # 4 ranks: marked slow
+REBUILT = [(1, 1, 2, True), (1, 1, 2, False)]  # layouts whose bf16 model is offloaded and rebuilt
 TELEMETRY = {(1, 1, 2, True): 300, (2, 2, 1, False): 300, (1, 1, 2, False): 65536}  # layout: sample size
 
 
@@ -46,6 +47,9 @@ def _jobs(layout):
     distopt = layout[3]
     jobs = {f"{m}_fixed": dict(export_cast=c, distopt=distopt, set_state=5, exports=3) for m, c in METHODS.items()}
     jobs.update({f"{m}_train": dict(export_cast=c, distopt=distopt, steps=2) for m, c in METHODS.items()})
+    if layout in REBUILT:  # the same runs, the model rebuilt from the masters before and after each step
+        jobs.update({f"{m}_rebuilt": dict(export_cast=c, distopt=distopt, steps=2, rebuild_after=(0, 1, 2))
+                     for m, c in METHODS.items()})
     if layout == (1, 1, 1, True):
         jobs["stock"] = dict(export_cast=None, distopt=True, steps=3, how="none")
         jobs["uninstalled"] = dict(export_cast=SR, distopt=True, steps=3, how="uninstall")
@@ -230,6 +234,27 @@ def test_reload_model_params_resets_residuals(name, layout):
         assert not bits(r).any(), key
     for key, served in after["served"].items():  # masters reloaded from the bf16 model
         assert torch.equal(after["master"][key].to(torch.bfloat16).view(torch.int16), served), key
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("layout", [params(l) for l in REBUILT])
+def test_a_copy_outside_the_step_serves_the_last_export_again(layout, method):
+    """A colocated RL stack rebuilds its offloaded bf16 model with _copy_main_params_to_model_params
+    outside the optimizer step (radixark/miles): that copy writes the last export bit for bit and
+    advances nothing, and the run goes on as if the model had never left."""
+    records = layout_run(layout)
+    job, straight = records[f"{method}_rebuilt"], records[f"{method}_train"]
+    assert "error" not in job, job.get("error")
+    served = [job["start"]] + job["snaps"]  # after 0, 1, 2 steps
+    assert len(job["rebuilt"]) == len(served) == 3
+    for steps, (before, rebuilt) in enumerate(zip(served, job["rebuilt"])):
+        assert rebuilt["steps"] and all(b == a == steps for b, a in rebuilt["steps"]), rebuilt["steps"]
+        for what in ("served", "master", "residual"):
+            assert_same(before[what], rebuilt[what], f"rebuilt after {steps} steps: {what}")
+    assert job["mismatch"] == 0
+    for k, (a, b) in enumerate(zip(straight["snaps"], job["snaps"])):
+        for what in ("served", "master", "residual"):
+            assert_same(a[what], b[what], f"step {k + 1}: {what}")
 
 
 # -- resume ----------------------------------------------------------------------------------------

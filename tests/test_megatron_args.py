@@ -79,6 +79,8 @@ def test_optimizer_config_checks():
         check_config(SimpleNamespace(bf16=True, optimizer_cpu_offload=True))
     with pytest.raises(NotImplementedError, match="--optimizer-cuda-graph"):
         check_config(SimpleNamespace(bf16=True, optimizer_cuda_graph=True))
+    with pytest.raises(NotImplementedError, match="--reuse-grad-buf-for-mxfp8-param-ag"):
+        check_config(OptimizerConfig(bf16=True, reuse_grad_buf_for_mxfp8_param_ag=True))
 
 
 @pytest.fixture
