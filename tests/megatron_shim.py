@@ -7,7 +7,8 @@ bucket groups, pipeline schedules), and the CUDA RNG tracker (dropout, weight in
 :func:`install` maps all of that onto the CPU:
 
 * a ``TorchFunctionMode`` rewrites any cuda (or int) ``device=`` argument, and ``.cuda()`` /
-  ``.to('cuda')``, to the CPU;
+  ``.to('cuda')``, to the CPU; ``torch.cuda.current_device()`` is the CPU device (autograd
+  Functions' backward runs without the mode);
 * ``Tensor.type()`` (no argument) reports ``torch.cuda.<T>`` names, which is what Megatron
   compares against;
 * ``torch.cuda`` stream / event / synchronize / RNG-state calls become no-ops or use the CPU
@@ -139,7 +140,9 @@ def install() -> None:
     torch.Tensor.type = _type
     torch.Tensor.cuda = lambda self, *a, **k: self
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
+    # the CPU itself, not index 0: megatron-core also allocates with device=torch.cuda.current_device()
+    # inside autograd Functions' backward (sequence parallelism), where no TorchFunctionMode is active
+    cuda.current_device = lambda: torch.device("cpu")
     cuda.device_count = lambda: 1
     cuda.set_device = lambda *a, **k: None
     cuda.synchronize = lambda *a, **k: None

@@ -18,6 +18,7 @@ not with megatron_patches' mapping (``layout``), so the tests check that mapping
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -40,9 +41,12 @@ def free_port() -> int:
 
 # -- model and optimizer ---------------------------------------------------------------------------
 def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemetry: int | None = None,
-          frozen: bool = False):
+          frozen: bool = False, production: dict | None = None):
     """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast).
-    ``frozen``: every param has requires_grad False (an optimizer over nothing)."""
+    ``frozen``: every param has requires_grad False (an optimizer over nothing). ``production``:
+    as Megatron-LM's training loop sets the model up (``finalize_model_grads``, the DDP sync funcs),
+    with its ``ddp`` settings (e.g. ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``)
+    and ``sequence_parallel``."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -66,14 +70,22 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
         bf16=not fp16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
+        apply_rope_fusion=False, sequence_parallel=bool((production or {}).get("sequence_parallel")))
+    with sequence_parallel_torch_norm(cfg.sequence_parallel):
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                         max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
     model.cuda()  # as Megatron-LM's get_model (a no-op under the CPU shim)
     model.requires_grad_(not frozen)
-    model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt, bucket_size=None),
-                Float16Module(cfg, model))
+    ddp = {"bucket_size": None, **(production or {}).get("ddp", {})}
+    model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt, **ddp), Float16Module(cfg, model))
+    if production is not None:  # megatron/training/training.py (core_v0.16.1) train(), one model chunk
+        from megatron.core.distributed import finalize_model_grads
+        cfg.finalize_model_grads_func = finalize_model_grads
+        if model.ddp_config.overlap_grad_reduce:
+            cfg.no_sync_func, cfg.grad_sync_func = model.no_sync, model.start_grad_sync  # --align-grad-reduce
+        if model.ddp_config.overlap_param_gather:
+            cfg.param_sync_func = model.start_param_sync  # --align-param-gather
     opt_cfg = OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, bf16=not fp16, fp16=fp16,
                               use_distributed_optimizer=distopt, clip_grad=1.0,
                               initial_loss_scale=1.0 if fp16 else None)
@@ -92,6 +104,33 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
         if how == "uninstall":  # installed, then undone: stock from here on
             megatron_patches.uninstall(optimizer)
     return model, optimizer, cfg
+
+
+@contextlib.contextmanager
+def sequence_parallel_torch_norm(on: bool):
+    """While building a model with --sequence-parallel: megatron-core's local spec norms. Without
+    Apex or TransformerEngine they are torch's (``WrappedTorchNorm``), which refuses sequence
+    parallelism; this builds them without it and marks their params ``sequence_parallel`` (as Apex's
+    ``FusedLayerNorm`` does), so ``finalize_model_grads`` all-reduces their grads over TP."""
+    if not on:
+        yield
+        return
+    from megatron.core.models import backends  # the local spec's norm (LocalSpecProvider.layer_norm)
+    from megatron.core.transformer import transformer_block  # the final norm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    class norm:  # a class, as Megatron's build_module takes a spec's function as the module itself
+        def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+            module = WrappedTorchNorm(dataclasses.replace(config, sequence_parallel=False), hidden_size, eps, **kwargs)
+            for p in module.parameters():
+                p.sequence_parallel = True
+            return module
+    saved = backends.LNImpl, transformer_block.LayerNormImpl
+    backends.LNImpl = transformer_block.LayerNormImpl = norm
+    try:
+        yield
+    finally:
+        backends.LNImpl, transformer_block.LayerNormImpl = saved
 
 
 def leaves(optimizer):
@@ -166,6 +205,9 @@ def gather(model, local_of):
 
 
 def snapshot(model, optimizer, ef: bool):
+    if model.use_forward_hook:  # --overlap-param-gather: finish the all-gather the next forward would
+        model.disable_forward_pre_hook(param_sync=True)  # (as Megatron-LM does before eval and saves)
+        model.enable_forward_pre_hook()
     served, rep = gather(model, lambda p: p.data)
     from megatron_patches.gather import local_masters
     masters = local_masters(optimizer)
@@ -312,7 +354,8 @@ def _run_job(tp, pp, job: dict) -> dict:
         with contextlib.redirect_stdout(printed):
             model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
                                         fp16=job.get("fp16", False), how=job.get("how", "install"),
-                                        telemetry=job.get("telemetry"), frozen=job.get("frozen", False))
+                                        telemetry=job.get("telemetry"), frozen=job.get("frozen", False),
+                                        production=job.get("production"))
     except Exception as err:  # misuse cases record the error
         record["error"] = f"{type(err).__name__}: {err}"
         return record
