@@ -66,6 +66,17 @@ def _args_config() -> ExportCastConfig:
     return config_from_args(get_args())
 
 
+def _args_iteration():
+    """Megatron-LM's iteration: ``args.curr_iteration`` (set by ``train`` before every step), else
+    ``args.iteration`` (set from the checkpoint by ``load_checkpoint``); None without Megatron-LM."""
+    try:
+        from megatron.training.global_vars import get_args
+        args = get_args()
+    except (ImportError, AssertionError):  # no Megatron-LM, or its arguments not parsed
+        return None
+    return getattr(args, "curr_iteration", getattr(args, "iteration", None))
+
+
 def _args_telemetry() -> bool:
     try:
         from megatron.training.global_vars import get_args
@@ -87,6 +98,9 @@ def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool
       :func:`install` with ``config``, or with the parsed arguments when ``config`` is None;
     * ``megatron.training.training.training_log`` (when importable), so that the drift telemetry
       is written with Megatron's scalars (:func:`megatron_patches.telemetry.wrap_training_log`).
+
+    After a model-only load (``--no-load-optim``, ``--finetune``: ``reload_model_params``) the
+    export step continues from Megatron-LM's iteration (``install(iteration=...)``).
 
     Args:
         config: the export-cast config to use; None reads ``megatron.training.get_args()`` at
@@ -158,7 +172,7 @@ def _installs_fair_cast(active: _Activation, original):
         model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[1]
         chosen = active.config if active.config is not None else _args_config()
         want = active.telemetry if active.telemetry is not None else _args_telemetry()
-        if install(optimizer, chosen, model_chunks, telemetry=want):
+        if install(optimizer, chosen, model_chunks, telemetry=want, iteration=_args_iteration):
             active.optimizers[:] = [optimizer]  # the one training_log reports
         return optimizer
     get_megatron_optimizer._faircast = True

@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -75,14 +76,19 @@ class MegatronExport:
         caster: its :class:`FairCaster` (mode ``fair``).
         layouts: ``{id(model param): ParamLayout}`` from :func:`describe_model`.
         model_chunks: the model chunks (used when a sharded_state_dict call gets no model dict).
+        iteration: the trainer's iteration count (an int; None: unknown), read by the first export
+            after the masters were reloaded from the model (see :meth:`reloaded`).
 
     Attributes:
         residuals: error feedback only: ``{id(model param): tensor}`` shaped like the rank's
             master shard of that param (``caster.config.residual_dtype``).
     """
 
-    def __init__(self, optimizer, caster: FairCaster, layouts: dict, model_chunks):
+    def __init__(self, optimizer, caster: FairCaster, layouts: dict, model_chunks,
+                 iteration: Callable[[], int | None] | None = None):
         self.optimizer, self.caster, self.model_chunks = optimizer, caster, list(model_chunks)
+        self.iteration = iteration or (lambda: None)
+        self.step_from_iteration = False  # set by reloaded(): the next export takes self.iteration()
         self.distributed = isinstance(optimizer, compat.DistributedOptimizer)
         self.layouts = layouts
         self.residuals = {}
@@ -146,6 +152,11 @@ class MegatronExport:
         contiguous range, one per row of a TP block split on a later dim). Error feedback also
         keeps a copy of what it wrote (:meth:`replay` needs it).
         """
+        if self.step_from_iteration:
+            self.step_from_iteration = False
+            iteration = self.iteration()
+            if iteration is not None:
+                self.caster.step = int(iteration)
         shards = self.shards()
         masters, outs, fragments = self._operands(shards)
         residuals = [self.residuals[id(s.model_param)].view(-1) for s in shards] if self.residuals else None
@@ -229,8 +240,16 @@ class MegatronExport:
                              and (dest.data_ptr(), src.data_ptr(), src.numel()) in stock)
 
     def reloaded(self) -> None:
-        """After the masters were reloaded from the model (``reload_model_params``): zero the
-        residuals; the model is what is served."""
+        """After the masters were reloaded from the model (``reload_model_params``: Megatron-LM's
+        ``load_checkpoint`` with ``--no-load-optim`` or ``--finetune``, an RL stack's weight load):
+        zero the residuals; the model is what is served; the next export's step is the trainer's
+        iteration when known (Megatron-LM: the checkpoint's, 0 after ``--finetune``), so a
+        model-only load continues the export step as DeepSpeed's module-only load does."""
+        self._served_from_model()
+        self.step_from_iteration = True
+
+    def _served_from_model(self) -> None:
+        """The masters were replaced and match the model: zero the residuals, keep what is served."""
         for r in self.residuals.values():
             r.zero_()
         self._keep_served(self.shards())
@@ -349,7 +368,7 @@ class MegatronExport:
             logger.warning("Fair Cast: %s", warning)
         # the model was loaded first (as Megatron-LM's load_checkpoint does): it is the saved export
         if action == "zero":
-            self.reloaded()
+            self._served_from_model()
         else:
             self._keep_served(self.shards())
         if action != "keep":
@@ -410,7 +429,8 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
 
 
 def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool = False,
-            sample: int = 65536, max_lag: int = 100) -> list[MegatronExport]:
+            sample: int = 65536, max_lag: int = 100,
+            iteration: Callable[[], int | None] | None = None) -> list[MegatronExport]:
     """Put Fair Cast into a Megatron optimizer built by ``get_megatron_optimizer``.
 
     Args:
@@ -422,6 +442,10 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
             is collective over the default process group (one all-reduce of the model size).
         sample: about how many elements of the whole model the telemetry watches.
         max_lag: K, past master samples kept for ``lag_steps``.
+        iteration: returns the trainer's iteration count (or None), read at the first export after
+            ``reload_model_params`` to continue the export step from it (:meth:`MegatronExport.reloaded`;
+            :func:`megatron_patches.activate` passes Megatron-LM's ``args.curr_iteration``). None:
+            the step goes on from this optimizer's own count (0 for a fresh one).
 
     Returns:
         One :class:`MegatronExport` per leaf optimizer (also at ``leaf.export_cast``); ``[]``
@@ -445,7 +469,7 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
     layouts = describe_model(model_chunks)
     exports = []
     for leaf in leaves:
-        export = MegatronExport(leaf, FairCaster(config), layouts, model_chunks)
+        export = MegatronExport(leaf, FairCaster(config), layouts, model_chunks, iteration)
         for shard in export.shards():
             if compat.is_quantized_param(leaf, shard.model_param):
                 raise NotImplementedError(f"--export-cast fair: param {shard.layout.name!r} is FP8/FP4 "

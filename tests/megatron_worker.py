@@ -394,11 +394,20 @@ def _run_job(tp, pp, job: dict) -> dict:
     record["drift_on"] = [isinstance(e.telemetry, DriftObserver) for e in exports(optimizer)]
     if 0 in job.get("rebuild_after", ()):
         rebuild(model, optimizer, record, ef)
+    if "model_only_load" in job:  # Megatron-LM's load_checkpoint with --no-load-optim (the model as it is)
+        optimizer.reload_model_params()
+        lm.global_vars.get_args().iteration = job["model_only_load"]  # then set by setup_model_and_optimizer
+    record["export_steps"] = []
     for k in range(job.get("steps", 0)):
         step = exports(optimizer)[0].caster.step if exports(optimizer) else None
+        if "megatron_lm" in job:
+            lm.global_vars.get_args().curr_iteration = first + k  # as Megatron-LM's train() before each step
         with CopyProbe(optimizer) as probe:
             train_step(model, optimizer, first + k)
         record["master_copies"] += probe.count
+        if exports(optimizer):
+            step = exports(optimizer)[0].caster.step - 1  # the step this export drew its bits with
+            record["export_steps"].append(step)
         if "megatron_lm" in job:  # as Megatron-LM's train() does after every iteration
             lm.training.training_log({}, {}, 1e-3, first + k + 1, 1.0, False, 0, 1.0, None, None, None,
                                      pg_collection=None, is_first_iteration=k == 0)
@@ -452,7 +461,13 @@ def megatron_lm_standin(argv: list[str]):
         sys.modules.update(_STANDIN[0].sys_modules)
         megatron.training = _STANDIN[0].package
     fake = _STANDIN[0]
-    fake.global_vars.get_args = lambda: fake.arguments.parse_args(None, argv)  # activate() adds --export-cast*
+    parsed = []
+
+    def get_args():  # parsed at the first call, after activate() added --export-cast*, then kept (as Megatron-LM's)
+        if not parsed:
+            parsed.append(fake.arguments.parse_args(None, argv))
+        return parsed[0]
+    fake.global_vars.get_args = get_args
     fake.written.clear()
     return fake
 

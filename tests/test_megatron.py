@@ -87,6 +87,8 @@ def _jobs(layout):
         jobs["lm_no_writer"] = dict(how="megatron_lm", export_cast=SR, steps=2, megatron_lm=lm)  # activate() leaves it wrapped
         jobs["lm_flag_off"] = dict(how="megatron_lm", export_cast=SR, steps=2,
                                    megatron_lm=lm + ["--tensorboard-dir", "tb", "--no-export-cast-telemetry"])
+        jobs["lm_model_only_load"] = dict(how="megatron_lm", export_cast=SR, steps=2, first=5, model_only_load=5,
+                                          megatron_lm=lm)
     if layout == (1, 1, 2, False):
         jobs["f16_ef"] = dict(export_cast=EF, distopt=False, steps=STEPS, save=CKPT["f16_ef"], save_after=SAVE_AFTER,
                               reload=True)
@@ -268,6 +270,15 @@ def test_a_copy_outside_the_step_serves_the_last_export_again(layout, method):
     for k, (a, b) in enumerate(zip(straight["snaps"], job["snaps"])):
         for what in ("served", "master", "residual"):
             assert_same(a[what], b[what], f"step {k + 1}: {what}")
+
+
+def test_a_model_only_load_continues_the_export_step_from_megatron_lms_iteration():
+    """Megatron-LM's load_checkpoint with --no-load-optim (reload_model_params, iteration 5 from the
+    checkpoint) into a fresh optimizer: the exports draw the bits of steps 5 and 6, as DeepSpeed's
+    module-only load continues the saved step (--finetune: iteration 0, a fresh run)."""
+    record = layout_run((1, 1, 2, True))["lm_model_only_load"]
+    assert "error" not in record, record.get("error")
+    assert record["export_steps"] == [5, 6] and record["mismatch"] == 0
 
 
 # -- production flags (Megatron-LM's training-loop set-up) --------------------------------------------
