@@ -20,7 +20,8 @@ Checks, in order (each line says what was compared; sizes are the GPU's, ``--cpu
    save; a resumed run (2 steps) == the uninterrupted one (served, master, residual).
 3. Megatron, TP=1 DP=1, DistributedOptimizer and Float16 optimizer, both methods
    (``tests/megatron_worker.py``): 4 steps with a dist checkpoint after 2; served == reference;
-   resume == uninterrupted.
+   resume == uninterrupted; DistOpt with ``--overlap-grad-reduce --overlap-param-gather``
+   (served == reference); the bf16 model rebuilt from the masters outside the step (== served).
 4. The main jobs: ``demo_deepspeed.py`` 3 steps on SmolLM2 (tiny when the model package is not
    installed: it is 93 MB, see the README) and ``demo_megatron.py`` on the tiny model; the trainer's
    bf16 model must equal the side-by-side export at every step.
@@ -339,13 +340,37 @@ def megatron_checks(device: str, tmp: str) -> None:
             for o, d in opts.items() for m, cfg in methods.items()}
     resumes = {k: dict(export_cast=j["export_cast"], distopt=j["distopt"], steps=2, first=2, load=ckpt[k])
                for k, j in jobs.items()}
+    # --overlap-grad-reduce --overlap-param-gather in Megatron-LM's training-loop set-up, and the
+    # bf16 model rebuilt from the masters outside the optimizer step (radixark/miles) before and after each step
+    overlap = {"ddp": dict(bucket_size=2000, overlap_grad_reduce=True, overlap_param_gather=True)}
+    extra = {f"overlap_{m}": dict(export_cast=cfg, distopt=True, steps=4, production=overlap) for m, cfg in methods.items()}
+    extra.update({f"rebuilt_{m}": dict(export_cast=cfg, distopt=True, steps=2, rebuild_after=(0, 1, 2))
+                  for m, cfg in methods.items()})
     runs = {}
 
     def launch(which, spec):
         runs[which] = run(1, 1, 1, spec, device=device)
         return f"{len(spec)} jobs in one launch"
 
-    check("megatron TP=1 training launch", launch, "train", jobs)
+    check("megatron TP=1 training launch", launch, "train", {**jobs, **extra})
+    for m in methods:
+        def overlapped(m=m):
+            r = runs.get("train", {}).get(f"overlap_{m}")
+            assert r is not None and "error" not in r, (r or {}).get("error", "no record (the launch failed)")
+            assert r["mismatch"] == 0 and r["rtn_differs"] > 0, (r["mismatch"], r["rtn_differs"])
+            return "4 steps, served == reference cast"
+
+        def rebuilt(m=m):
+            r = runs.get("train", {}).get(f"rebuilt_{m}")
+            assert r is not None and "error" not in r, (r or {}).get("error", "no record (the launch failed)")
+            for steps, (before, after) in enumerate(zip([r["start"]] + r["snaps"], r["rebuilt"])):
+                assert all(b == a == steps for b, a in after["steps"]), after["steps"]
+                for what in ("served", "master", "residual"):
+                    same(before[what], after[what], f"rebuilt after {steps} steps: {what}")
+            return "rebuilt == served after 0, 1, 2 steps; no step advanced"
+
+        check(f"megatron {m} --overlap-grad-reduce --overlap-param-gather", overlapped)
+        check(f"megatron {m} bf16 model rebuilt outside the step", rebuilt)
     check("megatron TP=1 resume launch", launch, "resume", resumes)
     for key in jobs:
         def served_is_reference(key=key):
