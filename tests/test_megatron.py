@@ -107,8 +107,8 @@ def _resume(name, **job):
 
 # where each checkpoint is loaded: (TP, PP, DP) -> jobs
 RESUMES = {
-    (1, 1, 2): {"dp_ef": _resume("dp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable"),
-                "dp_sr": _resume("dp_sr", export_cast=SR, distopt=True, sharding="dp_reshardable"),
+    (1, 1, 2): {"dp_ef": _resume("dp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable", rebuild_after=(0,)),
+                "dp_sr": _resume("dp_sr", export_cast=SR, distopt=True, sharding="dp_reshardable", rebuild_after=(0,)),
                 "full_ef_tp2_to_dp2": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable"),
                 "f16_ef": _resume("f16_ef", export_cast=EF, distopt=False),
                 "overlap_ef": _resume("overlap_ef", export_cast=EF, distopt=True, sharding="dp_reshardable",
@@ -324,7 +324,14 @@ def _check_resume_is_uninterrupted(straight, resumed):
 
 @pytest.mark.parametrize("name", ["dp_ef", "dp_sr"])
 def test_dp_reshardable_resume_equals_uninterrupted(name):
-    _check_resume_is_uninterrupted(layout_run(SAVED_BY[name])[name], resume_run(1, 1, 2)[name])
+    """Also with the bf16 model rebuilt from the loaded masters before the first step (a colocated
+    RL stack's offload right after a load): the loaded model, the saved export, comes back."""
+    resumed = resume_run(1, 1, 2)[name]
+    _check_resume_is_uninterrupted(layout_run(SAVED_BY[name])[name], resumed)
+    (rebuilt,) = resumed["rebuilt"]
+    assert rebuilt["steps"] and all(b == a == SAVE_AFTER for b, a in rebuilt["steps"]), rebuilt["steps"]
+    for what in ("served", "master", "residual"):
+        assert_same(resumed["loaded"][what], rebuilt[what], f"rebuilt after the load: {what}")
 
 
 def test_dp_reshardable_resume_at_another_dp_size():
