@@ -204,7 +204,7 @@ def install() -> None:
                 state["step"] = state["step"].clone()
     DistributedOptimizer.load_state_dict = load_state_dict
 
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
@@ -213,7 +213,7 @@ def install() -> None:
             tensor = tensor.cpu()
             return tensor.numpy() if as_numpy else tensor
         return tensor
-    from megatron.core.transformer.moe import token_dispatcher
-    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
     _CudaToCpu().__enter__()  # for the rest of the process
