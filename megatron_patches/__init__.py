@@ -57,33 +57,37 @@ class _Activation:
 _ACTIVE: Optional[_Activation] = None
 
 
-def _args_config() -> ExportCastConfig:
+def _parsed_args():
+    """Megatron-LM's parsed arguments (``megatron.training.get_args()``), or None: no
+    ``megatron.training`` (megatron-core < 0.17 ships without it), or its arguments not parsed
+    (megatron-core code that builds optimizers itself)."""
     try:
         from megatron.training.global_vars import get_args
-    except ImportError as err:
-        raise RuntimeError("megatron_patches.activate() without a config needs Megatron-LM's "
-                           "megatron.training (get_args); pass activate(config=...) instead") from err
-    return config_from_args(get_args())
+        return get_args()
+    except (ImportError, AssertionError):  # get_args asserts that parse_args ran
+        return None
+
+
+def _args_config() -> ExportCastConfig:
+    args = _parsed_args()
+    if args is None:
+        raise RuntimeError("megatron_patches.activate() without a config reads Megatron-LM's parsed arguments "
+                           "(megatron.training.get_args()), which this process does not have; pass "
+                           "activate(config=...) instead")
+    return config_from_args(args)
 
 
 def _args_iteration():
     """Megatron-LM's iteration: ``args.curr_iteration`` (set by ``train`` before every step), else
-    ``args.iteration`` (set from the checkpoint by ``load_checkpoint``); None without Megatron-LM."""
-    try:
-        from megatron.training.global_vars import get_args
-        args = get_args()
-    except (ImportError, AssertionError):  # no Megatron-LM, or its arguments not parsed
-        return None
+    ``args.iteration`` (set from the checkpoint by ``load_checkpoint``); None without them."""
+    args = _parsed_args()
     return getattr(args, "curr_iteration", getattr(args, "iteration", None))
 
 
 def _args_telemetry() -> bool:
-    try:
-        from megatron.training.global_vars import get_args
-    except ImportError:
-        return False
     from megatron_patches.telemetry import logging_on
-    return logging_on(get_args())
+    args = _parsed_args()
+    return args is not None and logging_on(args)
 
 
 def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool] = None) -> None:

@@ -32,7 +32,7 @@ __all__ = ["VERSION", "ShardedTensor", "ShardedTensorFactory", "DistributedOptim
            "Float16OptimizerWithFloat16Params", "ChainedOptimizer", "FP32Optimizer",
            "is_quantized_param", "uses_precision_aware_optimizer", "sub_optimizers", "COPY_TO_MODEL",
            "COPY_TO_PARAM_BUFFER", "COPY_TO_MAIN", "STEP", "master_shards", "stock_copy_target", "bucket_params",
-           "data_parallel_group", "is_stub", "uses_megatron_fsdp"]
+           "data_parallel_group", "is_expert_param", "is_stub", "uses_megatron_fsdp"]
 
 VERSION = (package_info.MAJOR, package_info.MINOR, package_info.PATCH)
 
@@ -82,6 +82,12 @@ def bucket_params(leaf) -> list[torch.nn.Parameter]:
 def data_parallel_group(leaf):
     """The process group a DistributedOptimizer shards its masters over."""
     return leaf.data_parallel_group
+
+
+def is_expert_param(param: torch.nn.Parameter) -> bool:
+    """An MoE expert param (expert-parallel): Megatron marks it ``allreduce=False``, which its
+    optimizer builder reads to put it in the expert optimizer."""
+    return not getattr(param, "allreduce", True)
 
 
 def is_stub(leaf) -> bool:

@@ -210,11 +210,17 @@ class MegatronExport:
     def counts(self, shard: _Shard) -> bool:
         """Whether this rank counts ``shard`` in the drift telemetry: each element once over all
         ranks (not a TP duplicate, not the last PP stage's copy of tied embeddings, not a DP
-        replica of the Float16 optimizer; the rules of Megatron's own params-norm)."""
+        replica of the Float16 optimizer; the rules of Megatron's own params-norm). An MoE expert
+        param (``allreduce`` False: expert-parallel) is replicated over the expert TP and expert DP
+        groups, not the dense ones: under EP the dense DP / TP ranks hold different experts."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
         p = shard.model_param
+        if compat.is_expert_param(p):
+            tp_duplicate = not getattr(p, "tensor_model_parallel", False) and ps.get_expert_tensor_parallel_rank() != 0
+            replica = not self.distributed and ps.get_expert_data_parallel_rank() != 0
+            return not tp_duplicate and not replica
         replica = not self.distributed and ps.get_data_parallel_rank(with_context_parallel=True) != 0
         return param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p) and not replica
 

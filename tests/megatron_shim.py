@@ -20,7 +20,15 @@ bucket groups, pipeline schedules), and the CUDA RNG tracker (dropout, weight in
   ``step`` in the param groups, so the shim makes the loaders leave ``step`` to
   ``load_state_dict`` (which restores it from the saved param groups), as FusedAdam would;
   and ``DistributedOptimizer.load_state_dict`` gives every param the *same* ``step`` tensor,
-  which torch AdamW then increments once per param per step: the shim un-shares it.
+  which torch AdamW then increments once per param per step: the shim un-shares it;
+* without TransformerEngine, megatron-core 0.16.1's MoE router gating
+  (``transformer/moe/moe_utils.py:1192``, ``RouterGatingLinearFunction``) reads ``te_general_gemm``,
+  which that module defines only when TE imports (line 34): the shim defines it as None (the torch
+  ``mm`` path the function falls back to);
+* the MoE all-to-all token dispatcher moves its split sizes to the host with
+  ``moe_utils.maybe_move_tensor_to_cpu`` (``moe_utils.py:1093``), which converts only CUDA tensors
+  (to numpy): on the CPU the splits stay tensors and ``all_to_all_single`` refuses them
+  (``tensor_parallel/mappings.py:444``); the shim converts CPU tensors as it would CUDA ones.
 
 Never import this from the library: it changes global torch behaviour for the whole process.
 """
@@ -195,5 +203,17 @@ def install() -> None:
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
     DistributedOptimizer.load_state_dict = load_state_dict
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.cpu()
+            return tensor.numpy() if as_numpy else tensor
+        return tensor
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
     _CudaToCpu().__enter__()  # for the rest of the process

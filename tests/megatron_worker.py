@@ -14,6 +14,10 @@ not with megatron_patches' mapping (``layout``), so the tests check that mapping
   (:class:`FairCaster` on the gathered whole param, canonical name from the checkpoint key);
 * ``replica_mismatch`` — elements where a rank's replica (TP-replicated layernorms and biases,
   DP replicas, the last stage's tied embedding) differs from the saved copy.
+
+``moe`` jobs build a mixture-of-experts GPT (``SequentialMLP`` experts, the all-to-all dispatcher);
+``run(..., ep=, etp=)`` sets the expert-parallel layout. Their experts' checkpoint keys carry two
+stacked axes (layer, global expert).
 """
 from __future__ import annotations
 
@@ -41,12 +45,15 @@ def free_port() -> int:
 
 # -- model and optimizer ---------------------------------------------------------------------------
 def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemetry: int | None = None,
-          frozen: bool = False, production: dict | None = None):
+          frozen: bool = False, production: dict | None = None, moe: dict | None = None):
     """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast).
     ``frozen``: every param has requires_grad False (an optimizer over nothing). ``production``:
     as Megatron-LM's training loop sets the model up (``finalize_model_grads``, the DDP sync funcs),
     with its ``ddp`` settings (e.g. ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``)
-    and ``sequence_parallel``."""
+    and ``sequence_parallel``. ``moe``: every layer's MLP is a mixture of experts (see :data:`MOE`,
+    overridden by the dict's keys), its experts over the expert-parallel ranks that
+    ``initialize_model_parallel`` set up (``run(..., ep=, etp=)``); the optimizer is then a
+    ChainedOptimizer (a dense and an expert leaf)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -70,9 +77,12 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
         bf16=not fp16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, sequence_parallel=bool((production or {}).get("sequence_parallel")))
+        apply_rope_fusion=False, sequence_parallel=bool((production or {}).get("sequence_parallel")),
+        **moe_config(moe))
+    experts = {} if moe is None else dict(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
     with sequence_parallel_torch_norm(cfg.sequence_parallel):
-        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+        spec = get_gpt_layer_local_spec(**experts)  # in here: it picks the norm class
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
                          max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
     model.cuda()  # as Megatron-LM's get_model (a no-op under the CPU shim)
@@ -104,6 +114,21 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
         if how == "uninstall":  # installed, then undone: stock from here on
             megatron_patches.uninstall(optimizer)
     return model, optimizer, cfg
+
+
+# MoE jobs: 4 experts, top-2, SequentialMLP experts (no grouped GEMM), no aux loss; no linear biases
+# (megatron-core refuses MoE biases with expert TP > 1, and every MoE layout builds the same model)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+           moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", add_bias_linear=False)
+
+
+def moe_config(moe: dict | None) -> dict:
+    """TransformerConfig keys of a MoE job (``{}`` for a dense one), EP / expert TP from parallel_state."""
+    if moe is None:
+        return {}
+    from megatron.core import parallel_state as ps
+    return {**MOE, **moe, "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()}
 
 
 @contextlib.contextmanager
@@ -216,11 +241,35 @@ def snapshot(model, optimizer, ef: bool):
     if ef:
         res = local_masters(optimizer, residuals=True)
         residual, _ = gather(model, lambda p: res[id(p)])
-    return {"served": served, "master": master, "residual": residual, "replica_mismatch": rep}
+    from megatron_patches.gather import shards
+    axes = {key: sh.prepend_axis_num for key, _, sh in shards(model, lambda p: p.data, stacked=True)}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, axes)  # PP stages hold different keys
+    axes = {k: v for d in everyone for k, v in d.items()}
+    return {"served": served, "master": master, "residual": residual, "replica_mismatch": rep, "axes": axes}
 
 
-def canonical(key: str, layer: int | None) -> str:
-    return key if layer is None else re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{layer}.", key, count=1)
+def canonical(key: str, layer) -> str:
+    """The canonical name of one param of a stacked checkpoint key: ``layer`` None (not stacked), the
+    global layer number, or the prepended indices (``(layer, expert)`` for MoE experts, spelt
+    ``<key>@<layer>,<expert>``)."""
+    index = () if layer is None else (layer,) if isinstance(layer, int) else tuple(layer)
+    if len(index) == 0:
+        return key
+    if len(index) == 1:
+        return re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{index[0]}.", key, count=1)
+    return f"{key}@{','.join(str(i) for i in index)}"
+
+
+def params_of(snap):
+    """``(checkpoint key, canonical name, index)`` of every whole param in a snapshot: it is
+    ``snap[what][key][index]`` (the stacked axes are Megatron's prepended ones, ``snap["axes"]``:
+    the layer, and for MoE experts the global expert number)."""
+    import itertools
+    for key, master in snap["master"].items():
+        axes = snap["axes"][key]
+        for index in itertools.product(*(range(n) for n in master.shape[:axes])):
+            yield key, canonical(key, index if axes else None), index
 
 
 def reference_mismatch(config, step, snap, prev_residual):
@@ -229,19 +278,14 @@ def reference_mismatch(config, step, snap, prev_residual):
     caster = FairCaster(config)
     caster.step = step
     mismatch = differs = 0
-    for key, served in snap["served"].items():
-        master = snap["master"][key]
-        layered = ".layers." in f".{key}"
-        for layer in range(master.shape[0]) if layered else [None]:
-            m = master[layer] if layered else master
-            s = served[layer] if layered else served
-            r = None
-            if caster.method == "error_feedback":
-                r = prev_residual[key] if prev_residual else torch.zeros_like(master)
-                r = (r[layer] if layered else r).clone()
-            q = caster.cast(canonical(key, layer), m.contiguous(), 0, residual=r)
-            mismatch += int((q.view(torch.int16) != s).sum())
-            differs += int((m.to(torch.bfloat16).view(torch.int16) != s).sum())
+    for key, name, index in params_of(snap):
+        m, s = snap["master"][key][index], snap["served"][key][index]
+        r = None
+        if caster.method == "error_feedback":
+            r = (prev_residual[key] if prev_residual else torch.zeros_like(snap["master"][key]))[index].clone()
+        q = caster.cast(name, m.contiguous(), 0, residual=r)
+        mismatch += int((q.view(torch.int16) != s).sum())
+        differs += int((m.to(torch.bfloat16).view(torch.int16) != s).sum())
     return mismatch, differs
 
 
@@ -342,7 +386,8 @@ def _run_job(tp, pp, job: dict) -> dict:
     """Keys: export_cast, distopt, steps, first (step number of the first step), how,
     load/save (dir) + sharding, set_state (seed) + exports (export-only count), fp16,
     reload (call reload_model_params at the end), param_buffer (compare the two copy paths),
-    rebuild_after (step numbers after which the bf16 model is offloaded and rebuilt from the masters)."""
+    rebuild_after (step numbers after which the bf16 model is offloaded and rebuilt from the masters),
+    moe (a MoE GPT: :data:`MOE` overrides; EP / expert TP as the launch's ``run(..., ep=, etp=)``)."""
     from faircast_dist import ExportCastConfig
     config = ExportCastConfig.from_value(job.get("export_cast"))
     ef = config.effective_method == "error_feedback"
@@ -355,7 +400,7 @@ def _run_job(tp, pp, job: dict) -> dict:
             model, optimizer, _ = build(tp, pp, job.get("distopt", True), job.get("export_cast"),
                                         fp16=job.get("fp16", False), how=job.get("how", "install"),
                                         telemetry=job.get("telemetry"), frozen=job.get("frozen", False),
-                                        production=job.get("production"))
+                                        production=job.get("production"), moe=job.get("moe"))
     except Exception as err:  # misuse cases record the error
         record["error"] = f"{type(err).__name__}: {err}"
         return record
@@ -508,7 +553,7 @@ def _compare_copy_paths(model, optimizer):
     return results
 
 
-def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu"):
+def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if device == "cuda":  # one rank per GPU, NCCL, no shim
@@ -518,7 +563,7 @@ def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu"):
         megatron_shim.install()
     torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
-    ps.initialize_model_parallel(tp, pp)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     records = {}
     try:
         for name, job in jobs.items():
@@ -534,13 +579,15 @@ def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu"):
     torch.distributed.destroy_process_group()
 
 
-def run(tp: int, pp: int, dp: int, jobs: dict, device: str = "cpu") -> dict:
+def run(tp: int, pp: int, dp: int, jobs: dict, device: str = "cpu", ep: int = 1, etp: int | None = None) -> dict:
     """Run ``jobs`` ({name: job}) on ``tp * pp * dp`` spawned ranks; rank 0's records.
 
     ``device``: "cpu" (gloo and the CPU shim) or "cuda" (NCCL, rank r on GPU r, no shim).
+    ``ep`` / ``etp``: expert-parallel and expert tensor-parallel sizes (``etp`` None: TP), for
+    ``moe`` jobs; the expert data-parallel size is what is left of the world.
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "records.pt")
-        mp.spawn(_worker, args=(tp * pp * dp, free_port(), tp, pp, jobs, out, device), nprocs=tp * pp * dp,
+        mp.spawn(_worker, args=(tp * pp * dp, free_port(), tp, pp, jobs, out, device, ep, etp), nprocs=tp * pp * dp,
                  join=True)
         return torch.load(out, weights_only=False)

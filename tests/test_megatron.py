@@ -28,7 +28,7 @@ METHODS = {"stochastic": SR, "error_feedback": EF, "dithered": DITHER}
 SAVE_AFTER, STEPS = 2, 4  # resume runs: save after 2 steps, compare steps 3 and 4
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
-CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef")}
+CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef")}
 
 # (TP, PP, DP, DistributedOptimizer)
 LAYOUTS = [(1, 1, 1, True), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, True), (1, 1, 2, False),
@@ -41,17 +41,44 @@ PRODUCTION = {(1, 1, 2, True): {"overlap": OVERLAP},
               (2, 1, 1, True): {"sp": {"sequence_parallel": True, "ddp": {"grad_reduce_in_fp32": True}}}}  # verl's default
 REBUILT = [(1, 1, 2, True), (1, 1, 2, False)]  # layouts whose bf16 model is offloaded and rebuilt
 TELEMETRY = {(1, 1, 2, True): 300, (2, 2, 1, False): 300, (1, 1, 2, False): 65536}  # layout: sample size
+# MoE with expert parallelism: (TP, PP, DP, DistOpt, EP, expert TP); the first is the reference. Each
+# shares the launch of its dense layout (TP, PP, DP, DistOpt), which is initialized with this EP and
+# expert TP (dense jobs do not see them). 4 experts, top-2 (megatron_worker.MOE); TP > 1 with
+# --sequence-parallel, as megatron-core requires for MoE. Expert TP 2 with EP 2 does not train on
+# gloo (the dispatcher's uneven all-gather over expert TP, tensor_parallel/mappings.py:150).
+MOE_LAYOUTS = [(1, 1, 1, True, 1, 1), (1, 1, 2, True, 2, 1), (2, 1, 1, True, 2, 1), (2, 1, 2, True, 2, 1)]
+EXPERT_PARALLEL = {l[:4]: l[4:] for l in MOE_LAYOUTS}  # dense layout -> (EP, expert TP) of its launch
+MOE_TELEMETRY = (1, 1, 2, True, 2, 1)  # a Float16-optimizer MoE run with telemetry (EP 2: DP ranks hold other experts)
 
 
 def layout_id(layout):
-    tp, pp, dp, distopt = layout
-    return f"tp{tp}pp{pp}dp{dp}-{'distopt' if distopt else 'float16'}"
+    tp, pp, dp, distopt, *expert = layout
+    moe = "-moe-ep{}etp{}".format(*expert) if expert else ""
+    return f"tp{tp}pp{pp}dp{dp}-{'distopt' if distopt else 'float16'}{moe}"
+
+
+def _moe_jobs(layout):
+    tp, _, _, distopt, _, _ = layout
+    base = dict(distopt=distopt, moe={}, production={"sequence_parallel": tp > 1})
+    jobs = {f"moe_{m}_fixed": dict(base, export_cast=c, set_state=5, exports=2) for m, c in METHODS.items()}
+    jobs.update({f"moe_{m}_train": dict(base, export_cast=c, steps=2) for m, c in METHODS.items()})
+    if layout == MOE_SAVED_BY:  # a checkpoint of the EP run, resumed in resume_run(1, 1, 2)
+        jobs["moe_error_feedback_train"].update(steps=STEPS, save=CKPT["moe_ef"], save_after=SAVE_AFTER,
+                                               sharding="dp_reshardable")
+    if layout == MOE_TELEMETRY:
+        jobs["moe_telemetry"] = dict(base, export_cast=SR, distopt=False, steps=3, telemetry=65536)
+    return jobs
 
 
 def _jobs(layout):
+    if len(layout) > 4:  # a MoE layout with a launch of its own
+        return _moe_jobs(layout)
     distopt = layout[3]
     jobs = {f"{m}_fixed": dict(export_cast=c, distopt=distopt, set_state=5, exports=3) for m, c in METHODS.items()}
     jobs.update({f"{m}_train": dict(export_cast=c, distopt=distopt, steps=2) for m, c in METHODS.items()})
+    for moe in MOE_LAYOUTS:  # the MoE layouts that share this launch (before any activate())
+        if moe[:4] == layout:
+            jobs.update(_moe_jobs(moe))
     for flags, production in PRODUCTION.get(layout, {}).items():
         jobs.update({f"{m}_{flags}": dict(export_cast=c, distopt=distopt, steps=3, production=production)
                      for m, c in METHODS.items()})
@@ -97,8 +124,11 @@ def _jobs(layout):
 
 @functools.lru_cache(maxsize=None)
 def layout_run(layout):
-    tp, pp, dp, _ = layout
-    return run(tp, pp, dp, _jobs(layout))
+    tp, pp, dp, distopt, *expert = layout
+    ep, etp = expert or EXPERT_PARALLEL.get(layout, (1, None))
+    if expert and EXPERT_PARALLEL.get((tp, pp, dp, distopt)) == (ep, etp):
+        return layout_run((tp, pp, dp, distopt))  # a MoE layout shares its dense layout's launch
+    return run(tp, pp, dp, _jobs(layout), ep=ep, etp=etp)
 
 
 def _resume(name, **job):
@@ -112,20 +142,24 @@ RESUMES = {
                 "full_ef_tp2_to_dp2": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable"),
                 "f16_ef": _resume("f16_ef", export_cast=EF, distopt=False),
                 "overlap_ef": _resume("overlap_ef", export_cast=EF, distopt=True, sharding="dp_reshardable",
-                                      production=OVERLAP)},
+                                      production=OVERLAP),
+                "moe_ef": _resume("moe_ef", export_cast=EF, distopt=True, sharding="dp_reshardable", moe={},
+                                  production={"sequence_parallel": False})},
     (1, 1, 1): {"dp_ef_dp2_to_dp1": _resume("dp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable")},
     (2, 1, 1): {"full_ef": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable")},
     (1, 2, 1): {"f16_ef_dp2_to_pp2": _resume("f16_ef", export_cast=EF, distopt=False)},
 }
+MOE_SAVED_BY = (1, 1, 2, True, 2, 1)
 SAVED_BY = {"dp_ef": (1, 1, 2, True), "dp_sr": (1, 1, 2, True), "full_ef": (2, 1, 1, True),
-            "f16_ef": (1, 1, 2, False), "overlap_ef": (1, 1, 2, True)}
+            "f16_ef": (1, 1, 2, False), "overlap_ef": (1, 1, 2, True), "moe_ef": MOE_SAVED_BY}
 
 
 @functools.lru_cache(maxsize=None)
 def resume_run(tp, pp, dp):
     for layout in SAVED_BY.values():  # the checkpoints first
         layout_run(layout)
-    return run(tp, pp, dp, RESUMES[(tp, pp, dp)])
+    ep, etp = EXPERT_PARALLEL.get((tp, pp, dp, True), (1, None))  # as the layout that saved (MoE jobs)
+    return run(tp, pp, dp, RESUMES[(tp, pp, dp)], ep=ep, etp=etp)
 
 
 def bits(t):
@@ -140,7 +174,7 @@ def assert_same(a: dict, b: dict, what: str):
 
 
 def params(layout):
-    marks = [pytest.mark.slow] if layout in BIG else []
+    marks = [pytest.mark.slow] if layout[:4] in BIG else []
     return pytest.param(layout, marks=marks, id=layout_id(layout))
 
 
@@ -362,20 +396,52 @@ def test_float16_optimizer_checkpoint_resumes_at_pp2():
     assert resumed["mismatch"] == 0 and len(resumed["snaps"]) == STEPS - SAVE_AFTER
 
 
+# -- MoE with expert parallelism (a ChainedOptimizer: dense and expert DistributedOptimizer) -----------
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("layout", [params(l) for l in MOE_LAYOUTS[1:]])
+def test_moe_one_master_state_exports_the_same_model_at_every_expert_parallel_size(layout, method):
+    """Experts are named and indexed by their global expert number (Megatron's expert axis), so the
+    export of one master state does not depend on which EP rank holds an expert."""
+    ref = layout_run(MOE_LAYOUTS[0])[f"moe_{method}_fixed"]
+    got = layout_run(layout)[f"moe_{method}_fixed"]
+    assert "error" not in got, got.get("error")
+    assert got["installed"] == ["DistributedOptimizer"] * (1 if layout[4] == 1 else 2)  # EP > 1: chained
+    assert len(got["snaps"]) == len(ref["snaps"]) == 2
+    assert any(".experts." in k for k in ref["snaps"][0]["served"])
+    for k, (a, b) in enumerate(zip(ref["snaps"], got["snaps"])):
+        assert_same(a["master"], b["master"], f"export {k}: master state placed")
+        assert_same(a["served"], b["served"], f"export {k}: served bf16")
+        if method == "error_feedback":
+            assert_same(a["residual"], b["residual"], f"export {k}: residual")
+
+
+@pytest.mark.parametrize("layout", [params(l) for l in MOE_LAYOUTS])
+def test_moe_every_served_element_is_the_reference_cast(layout):
+    """After real steps (the all-to-all token dispatcher, finalize_model_grads): every served element,
+    experts included, is the reference cast of the gathered master; replicas agree."""
+    for name in [f"moe_{m}_{job}" for m in METHODS for job in ("fixed", "train")]:
+        record = layout_run(layout)[name]
+        assert "error" not in record, f"{name}: {record.get('error')}"
+        assert record["installed"] and record["master_copies"] == 0, name
+        assert record["mismatch"] == 0, f"{name}: {record['mismatch']} served elements differ from the reference"
+        assert record["rtn_differs"] > 200, f"{name}: hardly differs from round to nearest: the check cannot bite"
+        assert record["replica_mismatch"] == 0, f"{name}: replicas disagree"
+
+
+def test_moe_expert_parallel_resume_equals_uninterrupted():
+    _check_resume_is_uninterrupted(layout_run(MOE_SAVED_BY)["moe_error_feedback_train"], resume_run(1, 1, 2)["moe_ef"])
+
+
 # -- drift telemetry (megatron_patches.telemetry) ----------------------------------------------------
 def whole_model_drift(snaps, sample, start):
     """The telemetry of one DriftSample fed the gathered whole model at each step (canonical names),
     primed with the ``start`` snapshot (the served model before the first step)."""
     from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
-    from megatron_worker import canonical
+    from megatron_worker import params_of
 
     def per_param(snap):
-        for key, master in snap["master"].items():
-            layered = ".layers." in f".{key}"
-            for layer in range(master.shape[0]) if layered else [None]:
-                m = (master[layer] if layered else master).reshape(-1)
-                s = (snap["served"][key][layer] if layered else snap["served"][key]).reshape(-1)
-                yield canonical(key, layer), m, s.view(torch.bfloat16)
+        for key, name, index in params_of(snap):
+            yield name, snap["master"][key][index].reshape(-1), snap["served"][key][index].reshape(-1).view(torch.bfloat16)
     numel = sum(m.numel() for _, m, _ in per_param(snaps[0]))
     drift, out = DriftSample(sample_stride(numel, sample)), []
     drift.prime([(n, m, s, [(n, 0, m.numel(), 0)]) for n, m, s in per_param(start)])
@@ -385,14 +451,17 @@ def whole_model_drift(snaps, sample, start):
     return out, drift.stride
 
 
-@pytest.mark.parametrize("layout", [params(l) for l in TELEMETRY])
+@pytest.mark.parametrize("layout", [params(l) for l in [*TELEMETRY, MOE_TELEMETRY]])
 def test_drift_telemetry_equals_the_gathered_models(layout):
     """Every rank measures only what it casts, each element counted once (TP-duplicated norms,
-    the last stage's tied embedding, Float16 DP replicas are left out): the reduced numbers are
-    those of the whole gathered model."""
-    record = layout_run(layout)["telemetry"]
-    want, stride = whole_model_drift(record["snaps"], TELEMETRY[layout], record["start"])
-    assert (stride > 1) == (TELEMETRY[layout] < 1000)
+    the last stage's tied embedding, Float16 DP replicas are left out; MoE experts: replicas over
+    the expert DP group, not the dense one): the reduced numbers are those of the whole gathered model."""
+    record = layout_run(layout)["moe_telemetry" if len(layout) > 4 else "telemetry"]
+    sample = 65536 if len(layout) > 4 else TELEMETRY[layout]
+    assert "error" not in record, record.get("error")
+    assert record["mismatch"] == 0
+    want, stride = whole_model_drift(record["snaps"], sample, record["start"])
+    assert (stride > 1) == (sample < 1000)
     assert len(record["drift"]) == 3 and record["drift_on"] and all(record["drift_on"])
     for got, expected in zip(record["drift"], want):
         assert got.keys() == expected.keys()

@@ -122,6 +122,13 @@ def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_
     with pytest.raises(ValueError, match="--bf16"):
         megatron_patches._args_config()
 
+    def unparsed():  # Megatron-LM's get_args before parse_args (megatron-core >= 0.17 ships megatron.training)
+        raise AssertionError("args is not initialized.")
+    fake.global_vars.get_args = unparsed
+    assert megatron_patches._args_telemetry() is False and megatron_patches._args_iteration() is None
+    with pytest.raises(RuntimeError, match="activate\\(config=...\\)"):
+        megatron_patches._args_config()
+
 
 @pytest.mark.parametrize("argv,on", [
     ([], False),  # no writer: nothing to log to
