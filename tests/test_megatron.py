@@ -179,6 +179,16 @@ def params(layout):
 
 
 # -- layout invariance -----------------------------------------------------------------------------
+def assert_same_exports(ref: dict, got: dict, method: str):
+    """Two layouts' exports of one master state: masters placed alike, served bf16 (and residuals)
+    bitwise equal at every export."""
+    for k, (a, b) in enumerate(zip(ref["snaps"], got["snaps"])):
+        assert_same(a["master"], b["master"], f"export {k}: master state placed")
+        assert_same(a["served"], b["served"], f"export {k}: served bf16")
+        if method == "error_feedback":
+            assert_same(a["residual"], b["residual"], f"export {k}: residual")
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("layout", [params(l) for l in LAYOUTS[1:]])
 def test_one_master_state_exports_the_same_model_in_every_layout(layout, method):
@@ -186,11 +196,7 @@ def test_one_master_state_exports_the_same_model_in_every_layout(layout, method)
     got = layout_run(layout)[f"{method}_fixed"]
     assert "error" not in got, got.get("error")
     assert len(got["snaps"]) == len(ref["snaps"]) == 3
-    for k, (a, b) in enumerate(zip(ref["snaps"], got["snaps"])):
-        assert_same(a["master"], b["master"], f"export {k}: master state placed")
-        assert_same(a["served"], b["served"], f"export {k}: served bf16")
-        if method == "error_feedback":
-            assert_same(a["residual"], b["residual"], f"export {k}: residual")
+    assert_same_exports(ref, got, method)
 
 
 @pytest.mark.parametrize("layout", [params(l) for l in LAYOUTS])
@@ -408,11 +414,7 @@ def test_moe_one_master_state_exports_the_same_model_at_every_expert_parallel_si
     assert got["installed"] == ["DistributedOptimizer"] * (1 if layout[4] == 1 else 2)  # EP > 1: chained
     assert len(got["snaps"]) == len(ref["snaps"]) == 2
     assert any(".experts." in k for k in ref["snaps"][0]["served"])
-    for k, (a, b) in enumerate(zip(ref["snaps"], got["snaps"])):
-        assert_same(a["master"], b["master"], f"export {k}: master state placed")
-        assert_same(a["served"], b["served"], f"export {k}: served bf16")
-        if method == "error_feedback":
-            assert_same(a["residual"], b["residual"], f"export {k}: residual")
+    assert_same_exports(ref, got, method)
 
 
 @pytest.mark.parametrize("layout", [params(l) for l in MOE_LAYOUTS])
