@@ -32,6 +32,10 @@ State (in :class:`MegatronExport`, carried by the optimizer's ``sharded_state_di
   ``fully_reshardable``) and the Float16 optimizer alike: each element's residual follows it.
   For the DistributedOptimizer the DP shards are gathered per param (bit-exact int all-reduce)
   when saving, and each rank slices its range out when loading.
+
+Only the copy inside ``step_with_ready_grads`` exports; a copy anywhere else serves the last
+export again (:meth:`MegatronExport.replay`; error feedback keeps a bf16 copy of its shard for
+that, not checkpointed: after a load it is taken from the loaded model).
 """
 from __future__ import annotations
 
