@@ -64,14 +64,19 @@ def shards(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor],
     (``decoder.layers.3.mlp.linear_fc1.weight``, Fair Cast's canonical names).
 
     Args:
-        model: a model chunk, any wrapping (DDP, Float16Module).
+        model: a model chunk, any wrapping (DDP, Float16Module), or this rank's list of chunks
+            (virtual pipeline: each chunk's layers carry their global numbers).
         local_of: ``param -> tensor shaped like the param``.
 
     Raises:
         ValueError: a param missing from the model's sharded_state_dict, ``local_of`` giving the
             wrong shape, or (not stacked) an entry with more than one prepended axis (e.g. MoE experts).
     """
-    module = model
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        yield from _chunk_shards(chunk, local_of, stacked)
+
+
+def _chunk_shards(module, local_of, stacked: bool) -> Iterator[tuple]:
     while hasattr(module, "module"):
         module = module.module
     entries = {id(v.data): v for v in nested_values(module.sharded_state_dict())
@@ -103,7 +108,8 @@ def gather_full(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor], d
     and the last PP stage's tied embedding are not read). Names and shapes as in :func:`shards`.
 
     Args:
-        model: this rank's model chunk (any wrapping; any TP/PP/DP layout, one chunk per rank).
+        model: this rank's model chunk or list of chunks (any wrapping; any TP/PP/DP layout,
+            virtual pipeline included).
         local_of: ``param -> TP-local tensor shaped like the param``, bf16, fp16 or fp32 — the
             param itself, its master from :func:`local_masters`, ``p.grad``, ...
         dst: the (global) rank that gets the result, the others get None; None: every rank.

@@ -31,7 +31,12 @@ State (in :class:`MegatronExport`, carried by the optimizer's ``sharded_state_di
   like the model, under any DistributedOptimizer format (``dp_reshardable``,
   ``fully_reshardable``) and the Float16 optimizer alike: each element's residual follows it.
   For the DistributedOptimizer the DP shards are gathered per param (bit-exact int all-reduce)
-  when saving, and each rank slices its range out when loading.
+  when saving, and each rank slices its range out when loading. The checkpoint's content
+  metadata (the ``metadata`` dict Megatron-LM hands to ``sharded_state_dict`` and saves with the
+  checkpoint) records ``export_cast_residuals: True``; a load whose metadata lacks it (a stock
+  checkpoint, one written with stochastic or dithered rounding) requests no residuals, which
+  would fail dist-checkpointing's load under Megatron-LM's default ``--dist-ckpt-strictness``,
+  and starts them at zero with a warning. A load without metadata requests them.
 
 Only the copy inside ``step_with_ready_grads`` exports; a copy anywhere else serves the last
 export again (:meth:`MegatronExport.replay`; error feedback keeps a bf16 copy of its shard for
@@ -60,6 +65,7 @@ from megatron_patches.layout import ParamLayout, describe_model, model_entries
 logger = logging.getLogger(__name__)
 
 STATE_KEY = "export_cast"
+RESIDUALS_METADATA_KEY = "export_cast_residuals"  # in the checkpoint's content metadata
 RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.residual."
 
 
@@ -295,7 +301,7 @@ class MegatronExport:
                     state = sharded_state_dict(model_sharded_state_dict, is_loading, *args, **kwargs)
             finally:
                 self._internal_load = False
-            state[STATE_KEY] = self.sharded_state(model_sharded_state_dict, is_loading)
+            state[STATE_KEY] = self.sharded_state(model_sharded_state_dict, is_loading, kwargs.get("metadata"))
             return state
         return fair_sharded_state_dict
 
@@ -333,11 +339,20 @@ class MegatronExport:
         torch.distributed.all_reduce(bits, group=compat.data_parallel_group(self.optimizer))
         return from_bits(bits, dtype).view(param.shape)
 
-    def sharded_state(self, model_sharded_state_dict, is_loading: bool) -> dict:
-        """This optimizer's export-cast entry for its ``sharded_state_dict`` (see module doc)."""
+    def sharded_state(self, model_sharded_state_dict, is_loading: bool, metadata: dict | None = None) -> dict:
+        """This optimizer's export-cast entry for its ``sharded_state_dict`` (see module doc).
+
+        ``metadata``: the checkpoint's content metadata (Megatron-LM's ``sharded_sd_metadata``):
+        marked when saving residuals; when loading, residuals are requested only if it is None or
+        marked."""
         state = {"step": self.caster.step, "method": self.caster.method.value}  # a plain str in the checkpoint
         if not self.caster.method.needs_residual:
             return state
+        if metadata is not None:
+            if not is_loading:
+                metadata[RESIDUALS_METADATA_KEY] = True
+            elif not metadata.get(RESIDUALS_METADATA_KEY):
+                return state  # the checkpoint holds none: load() starts them at zero
         entries = model_entries(self.model_chunks, model_sharded_state_dict or None)
         shards = {id(s.model_param): s for s in self.shards()}
         dtype = compat_residual_dtype(self.caster)
@@ -366,9 +381,10 @@ class MegatronExport:
         """
         if state is None:
             if not self._internal_load:
-                logger.warning("Fair Cast: the optimizer state has no %r entry (not saved through "
-                               "sharded_state_dict?); the export step and residuals were not restored",
-                               STATE_KEY)
+                logger.warning("Fair Cast: the optimizer state has no %r entry (a checkpoint saved without "
+                               "Fair Cast?); the residuals start at zero, the export step at the "
+                               "trainer's iteration when known", STATE_KEY)
+                self.reloaded()  # the loaded model is what is served (loaded before the optimizer)
             return
         self.caster.step = int(state["step"])
         self.telemetry.reset()  # the served model is replaced: the next export primes again

@@ -47,9 +47,11 @@ def free_port() -> int:
 def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemetry: int | None = None,
           frozen: bool = False, production: dict | None = None, moe: dict | None = None):
     """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast).
-    ``frozen``: every param has requires_grad False (an optimizer over nothing). ``production``:
-    as Megatron-LM's training loop sets the model up (``finalize_model_grads``, the DDP sync funcs),
-    with its ``ddp`` settings (e.g. ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``)
+    Returns the list of model chunks (one, or one per virtual pipeline stage under ``run(..., vpp=)``),
+    the optimizer and the TransformerConfig.
+    ``frozen``: every param has requires_grad False (an optimizer over nothing). Every run has Megatron-LM's
+    ``finalize_model_grads`` (DP grad all-reduce, tied-embedding all-reduce across PP). ``production``:
+    the DDP sync funcs of Megatron-LM's training loop, with its ``ddp`` settings (e.g. ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``)
     and ``sequence_parallel``. ``moe``: every layer's MLP is a mixture of experts (see :data:`MOE`,
     overridden by the dict's keys), its experts over the expert-parallel ranks that
     ``initialize_model_parallel`` set up (``run(..., ep=, etp=)``); the optimizer is then a
@@ -70,7 +72,8 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
     torch.manual_seed(1234)
     tp_random.model_parallel_cuda_manual_seed(1234)
     dtype = torch.float16 if fp16 else torch.bfloat16
-    cfg = TransformerConfig(
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()  # run(..., vpp=): model chunks per rank
+    cfg = TransformerConfig(virtual_pipeline_model_parallel_size=vpp,
         num_layers=4, hidden_size=24, num_attention_heads=4, ffn_hidden_size=20,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_cpu_initialization=True,
@@ -80,36 +83,44 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
         apply_rope_fusion=False, sequence_parallel=bool((production or {}).get("sequence_parallel")),
         **moe_config(moe))
     experts = {} if moe is None else dict(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
-    with sequence_parallel_torch_norm(cfg.sequence_parallel):
-        spec = get_gpt_layer_local_spec(**experts)  # in here: it picks the norm class
-        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
-                         max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
-                         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
-    model.cuda()  # as Megatron-LM's get_model (a no-op under the CPU shim)
-    model.requires_grad_(not frozen)
-    ddp = {"bucket_size": None, **(production or {}).get("ddp", {})}
-    model = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt, **ddp), Float16Module(cfg, model))
-    if production is not None:  # megatron/training/training.py (core_v0.16.1) train(), one model chunk
-        from megatron.core.distributed import finalize_model_grads
-        cfg.finalize_model_grads_func = finalize_model_grads
-        if model.ddp_config.overlap_grad_reduce:
-            cfg.no_sync_func, cfg.grad_sync_func = model.no_sync, model.start_grad_sync  # --align-grad-reduce
-        if model.ddp_config.overlap_param_gather:
-            cfg.param_sync_func = model.start_param_sync  # --align-param-gather
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=distopt,
+                                        **{"bucket_size": None, **(production or {}).get("ddp", {})})
+    model = []  # the model chunks, as Megatron-LM's get_model builds them (one per virtual stage)
+    for vp in range(vpp) if vpp else [None]:
+        with sequence_parallel_torch_norm(cfg.sequence_parallel):
+            spec = get_gpt_layer_local_spec(**experts)  # in here: it picks the norm class
+            chunk = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                             share_embeddings_and_output_weights=True, vp_stage=vp)
+        chunk.cuda()  # a no-op under the CPU shim
+        chunk.requires_grad_(not frozen)
+        model.append(DDP(cfg, ddp, Float16Module(cfg, chunk), disable_bucketing=bool(vp)))
+    # as megatron/training/training.py (core_v0.16.1) train() sets up every run: the DP grad all-reduce
+    # and the tied embedding's all-reduce between the first and last PP stage
+    from megatron.core.distributed import finalize_model_grads
+    cfg.finalize_model_grads_func = finalize_model_grads
+    if production is not None:  # and the DDP sync funcs of the overlap flags
+        one = (lambda funcs: funcs[0] if len(funcs) == 1 else funcs)
+        if ddp.overlap_grad_reduce:  # --align-grad-reduce
+            cfg.no_sync_func = one([c.no_sync for c in model])
+            cfg.grad_sync_func = one([c.start_grad_sync for c in model])
+        if ddp.overlap_param_gather:  # --align-param-gather
+            cfg.param_sync_func = one([c.start_param_sync for c in model])
     opt_cfg = OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, bf16=not fp16, fp16=fp16,
                               use_distributed_optimizer=distopt, clip_grad=1.0,
                               initial_loss_scale=1.0 if fp16 else None)
     config = ExportCastConfig.from_value(export_cast)
     if how == "activate":  # the one-line activation, then the stock entry point
         megatron_patches.activate(config=config)
-        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
+        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, model)
     elif how == "megatron_lm":  # activate() reading the (stand-in) Megatron-LM arguments
         megatron_patches.activate()
-        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
+        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, model)
     else:
-        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, [model])
+        optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, model)
         if how in ("install", "uninstall"):
-            megatron_patches.install(optimizer, config, [model], telemetry=telemetry is not None,
+            megatron_patches.install(optimizer, config, model, telemetry=telemetry is not None,
                                      sample=telemetry or 1)  # how == "none": stock
         if how == "uninstall":  # installed, then undone: stock from here on
             megatron_patches.uninstall(optimizer)
@@ -185,10 +196,12 @@ def exports(optimizer):
 
 
 def train_step(model, optimizer, step: int):
+    """One optimizer step on the model chunks ``model`` (Megatron-LM's train_step: a data iterator per chunk)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (MICRO, MBS, SEQ + 1), generator=g)  # same on every rank
-    batches = iter([(tokens[i, :, :-1].cuda(), tokens[i, :, 1:].cuda()) for i in range(MICRO)])  # .cuda(): no-op
+    batches = [iter([(tokens[i, :, :-1].cuda(), tokens[i, :, 1:].cuda()) for i in range(MICRO)])  # .cuda(): no-op
+               for _ in model]
     position_ids = torch.arange(SEQ).expand(MBS, SEQ).cuda()  # under the CPU shim
 
     def forward_step(data_iterator, chunk):
@@ -201,9 +214,10 @@ def train_step(model, optimizer, step: int):
         return out, loss_func
 
     optimizer.zero_grad()
-    model.zero_grad_buffer()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[model],
-                                num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MBS,
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches if len(model) > 1 else batches[0],
+                                model=model, num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MBS,
                                 forward_only=False)
     ok, _, _ = optimizer.step()
     assert ok
@@ -225,14 +239,18 @@ def gather(model, local_of):
     replica_mismatch = sum(int((_bits(sh.data).reshape(-1).cpu() != _bits(full[key][index]).reshape(-1)).sum())
                            for key, index, sh in shards(model, local_of, stacked=True)
                            if not is_main_replica(sh.replica_id))
+    count = torch.tensor([replica_mismatch], dtype=torch.int64,
+                         device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+    torch.distributed.all_reduce(count)  # every rank's replicas (rank 0 holds few: e.g. none under PP)
     out = {k: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for k, v in full.items()}
-    return out, replica_mismatch
+    return out, int(count)
 
 
 def snapshot(model, optimizer, ef: bool):
-    if model.use_forward_hook:  # --overlap-param-gather: finish the all-gather the next forward would
-        model.disable_forward_pre_hook(param_sync=True)  # (as Megatron-LM does before eval and saves)
-        model.enable_forward_pre_hook()
+    for chunk in model:
+        if chunk.use_forward_hook:  # --overlap-param-gather: finish the all-gather the next forward would
+            chunk.disable_forward_pre_hook(param_sync=True)  # (as Megatron-LM does before eval and saves)
+            chunk.enable_forward_pre_hook()
     served, rep = gather(model, lambda p: p.data)
     from megatron_patches.gather import local_masters
     masters = local_masters(optimizer)
@@ -330,20 +348,22 @@ def export_only(model, optimizer):
     for leaf in leaves(optimizer):
         with leaf.export_cast.in_step():
             leaf._copy_main_params_to_model_params()
-    if model.ddp_config.use_distributed_optimizer:
-        model.start_param_sync(force_sync=True)
+    for chunk in model:
+        if chunk.ddp_config.use_distributed_optimizer:
+            chunk.start_param_sync(force_sync=True)
 
 
 def offload_and_rebuild(model, optimizer):
     """What a colocated RL stack does between rollouts (radixark/miles' offload/onload): the bf16
     model's memory is released (here: overwritten with NaN) and rebuilt from the masters with each
     leaf's ``_copy_main_params_to_model_params`` and the DistOpt param all-gather, outside any step."""
-    for p in model.parameters():
+    for p in (p for chunk in model for p in chunk.parameters()):
         p.data.fill_(float("nan"))
     for leaf in leaves(optimizer):
         leaf._copy_main_params_to_model_params()
-    if model.ddp_config.use_distributed_optimizer:
-        model.start_param_sync(force_sync=True)
+    for chunk in model:
+        if chunk.ddp_config.use_distributed_optimizer:
+            chunk.start_param_sync(force_sync=True)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -354,25 +374,39 @@ def unwrap(model):
     return model
 
 
+def model_state(model) -> dict:
+    """The checkpoint's model entries, as Megatron-LM's generate_state_dict names them: ``model``, or
+    ``model0``, ``model1``, ... for several chunks."""
+    if len(model) == 1:
+        return {"model": unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
 def save(model, optimizer, ckpt_dir, sharding_type):
+    """As Megatron-LM's save_checkpoint (torch_dist): the content metadata handed to the
+    optimizer's sharded_state_dict is saved with the checkpoint."""
     from megatron.core import dist_checkpointing
     os.makedirs(ckpt_dir, exist_ok=True)
-    model_sd = unwrap(model).sharded_state_dict()
-    sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-        model_sd, is_loading=False, metadata={"distrib_optim_sharding_type": sharding_type})}
-    dist_checkpointing.save(sd, ckpt_dir, _strategy())
+    metadata = {"distrib_optim_sharding_type": sharding_type}
+    sd = model_state(model)
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=False, metadata=metadata)
+    dist_checkpointing.save(sd, ckpt_dir, _strategy(), content_metadata=metadata)
 
 
 def load(model, optimizer, ckpt_dir, sharding_type):
+    """As Megatron-LM's load_checkpoint: the optimizer's sharded_state_dict gets the checkpoint's
+    content metadata; dist-checkpointing's default strictness (``assume_ok_unexpected``)."""
     from megatron.core import dist_checkpointing
-    for leaf in leaves(optimizer):  # as Megatron-LM's load_checkpoint does: allocate lazy state
+    for leaf in leaves(optimizer):  # allocate the lazy optimizer state
         if hasattr(leaf, "_init_optimizer_states_with_dummy_values") and not leaf.optimizer.state:
             leaf._init_optimizer_states_with_dummy_values()
-    model_sd = unwrap(model).sharded_state_dict()
-    sd = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-        model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": sharding_type})}
+    metadata = dist_checkpointing.load_content_metadata(ckpt_dir)
+    assert metadata["distrib_optim_sharding_type"] == sharding_type, metadata
+    sd = model_state(model)
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=metadata)
     loaded = dist_checkpointing.load(sd, ckpt_dir)
-    unwrap(model).load_state_dict(loaded["model"])
+    for name, chunk in zip([k for k in sd if k != "optimizer"], model):
+        unwrap(chunk).load_state_dict(loaded[name])
     optimizer.load_state_dict(loaded["optimizer"])
 
 
@@ -553,7 +587,7 @@ def _compare_copy_paths(model, optimizer):
     return results
 
 
-def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=None):
+def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=None, vpp=None, cp=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if device == "cuda":  # one rank per GPU, NCCL, no shim
@@ -563,7 +597,8 @@ def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=N
         megatron_shim.install()
     torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
-    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     records = {}
     try:
         for name, job in jobs.items():
@@ -579,15 +614,20 @@ def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=N
     torch.distributed.destroy_process_group()
 
 
-def run(tp: int, pp: int, dp: int, jobs: dict, device: str = "cpu", ep: int = 1, etp: int | None = None) -> dict:
-    """Run ``jobs`` ({name: job}) on ``tp * pp * dp`` spawned ranks; rank 0's records.
+def run(tp: int, pp: int, dp: int, jobs: dict, device: str = "cpu", ep: int = 1, etp: int | None = None,
+        vpp: int | None = None, cp: int = 1) -> dict:
+    """Run ``jobs`` ({name: job}) on ``tp * pp * dp * cp`` spawned ranks; rank 0's records.
 
     ``device``: "cpu" (gloo and the CPU shim) or "cuda" (NCCL, rank r on GPU r, no shim).
     ``ep`` / ``etp``: expert-parallel and expert tensor-parallel sizes (``etp`` None: TP), for
-    ``moe`` jobs; the expert data-parallel size is what is left of the world.
+    ``moe`` jobs; the expert data-parallel size is what is left of the world. ``vpp``: virtual
+    pipeline stages (model chunks) per PP rank (``--num-layers-per-virtual-pipeline-stage``).
+    ``cp``: context-parallel process groups (the DDP grad reduction and the DistributedOptimizer's
+    shards span DP x CP); the model itself is not split over CP (megatron-core's local attention
+    refuses CP > 1, TransformerEngine's needs CUDA): every CP rank computes on the whole sequence.
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "records.pt")
-        mp.spawn(_worker, args=(tp * pp * dp, free_port(), tp, pp, jobs, out, device, ep, etp), nprocs=tp * pp * dp,
-                 join=True)
+        world = tp * pp * dp * cp
+        mp.spawn(_worker, args=(world, free_port(), tp, pp, jobs, out, device, ep, etp, vpp, cp), nprocs=world, join=True)
         return torch.load(out, weights_only=False)

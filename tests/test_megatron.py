@@ -28,11 +28,14 @@ METHODS = {"stochastic": SR, "error_feedback": EF, "dithered": DITHER}
 SAVE_AFTER, STEPS = 2, 4  # resume runs: save after 2 steps, compare steps 3 and 4
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
-CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef")}
+CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef", "vpp_ef", "cp_ef", "stock")}
 
 # (TP, PP, DP, DistributedOptimizer)
 LAYOUTS = [(1, 1, 1, True), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, True), (1, 1, 2, False),
-           (2, 1, 2, True), (2, 2, 1, False)]
+           (2, 1, 2, True), (2, 2, 1, False), (1, 2, 1, True)]
+# launches with virtual pipeline stages (--num-layers-per-virtual-pipeline-stage 1: two model chunks per
+# PP rank, stage 0 holding layers 0 and 2, the interleaved schedule)
+VIRTUAL_PIPELINE = {(1, 2, 1, True): 2}
 BIG = {(2, 1, 2, True), (2, 2, 1, False)}  # 4 ranks: marked slow
 # Megatron-LM's training-loop set-up (finalize_model_grads, DDP sync funcs) with production flags
 # (several buckets, so the overlapped all-gather and reduce-scatter run bucket by bucket)
@@ -54,7 +57,8 @@ MOE_TELEMETRY = (1, 1, 2, True, 2, 1)  # a Float16-optimizer MoE run with teleme
 def layout_id(layout):
     tp, pp, dp, distopt, *expert = layout
     moe = "-moe-ep{}etp{}".format(*expert) if expert else ""
-    return f"tp{tp}pp{pp}dp{dp}-{'distopt' if distopt else 'float16'}{moe}"
+    vpp = f"vpp{VIRTUAL_PIPELINE[layout]}" if layout in VIRTUAL_PIPELINE else ""
+    return f"tp{tp}pp{pp}{vpp}dp{dp}-{'distopt' if distopt else 'float16'}{moe}"
 
 
 def _moe_jobs(layout):
@@ -88,7 +92,10 @@ def _jobs(layout):
     if layout in REBUILT:  # the same runs, the model rebuilt from the masters before and after each step
         jobs.update({f"{m}_rebuilt": dict(export_cast=c, distopt=distopt, steps=2, rebuild_after=(0, 1, 2))
                      for m, c in METHODS.items()})
-    if layout == (1, 1, 1, True):
+    if layout == (1, 1, 1, True):  # (before the activate() jobs: its wrap stays for the launch's later jobs)
+        jobs["stock_saved"] = dict(export_cast=None, how="none", distopt=True, steps=SAVE_AFTER, save=CKPT["stock"],
+                                   sharding="dp_reshardable")
+        jobs["ef_from_stock"] = _resume("stock", export_cast=EF, distopt=True, sharding="dp_reshardable")
         jobs["stock"] = dict(export_cast=None, distopt=True, steps=3, how="none")
         jobs["uninstalled"] = dict(export_cast=SR, distopt=True, steps=3, how="uninstall")
         jobs["nearest"] = dict(export_cast={"mode": "nearest", "method": "error_feedback"}, distopt=True, steps=3)
@@ -116,6 +123,10 @@ def _jobs(layout):
                                    megatron_lm=lm + ["--tensorboard-dir", "tb", "--no-export-cast-telemetry"])
         jobs["lm_model_only_load"] = dict(how="megatron_lm", export_cast=SR, steps=2, first=5, model_only_load=5,
                                           megatron_lm=lm)
+    if layout in VIRTUAL_PIPELINE:  # a checkpoint of the two-chunk model, resumed by a later job of the launch
+        jobs["vpp_ef"] = dict(export_cast=EF, distopt=True, steps=STEPS, save=CKPT["vpp_ef"], save_after=SAVE_AFTER,
+                              sharding="dp_reshardable")
+        jobs["vpp_ef_resumed"] = _resume("vpp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable")
     if layout == (1, 1, 2, False):
         jobs["f16_ef"] = dict(export_cast=EF, distopt=False, steps=STEPS, save=CKPT["f16_ef"], save_after=SAVE_AFTER,
                               reload=True)
@@ -128,7 +139,7 @@ def layout_run(layout):
     ep, etp = expert or EXPERT_PARALLEL.get(layout, (1, None))
     if expert and EXPERT_PARALLEL.get((tp, pp, dp, distopt)) == (ep, etp):
         return layout_run((tp, pp, dp, distopt))  # a MoE layout shares its dense layout's launch
-    return run(tp, pp, dp, _jobs(layout), ep=ep, etp=etp)
+    return run(tp, pp, dp, _jobs(layout), ep=ep, etp=etp, vpp=VIRTUAL_PIPELINE.get(layout))
 
 
 def _resume(name, **job):
@@ -139,6 +150,7 @@ def _resume(name, **job):
 RESUMES = {
     (1, 1, 2): {"dp_ef": _resume("dp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable", rebuild_after=(0,)),
                 "dp_sr": _resume("dp_sr", export_cast=SR, distopt=True, sharding="dp_reshardable", rebuild_after=(0,)),
+                "dp_sr_to_ef": _resume("dp_sr", export_cast=EF, distopt=True, sharding="dp_reshardable"),
                 "full_ef_tp2_to_dp2": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable"),
                 "f16_ef": _resume("f16_ef", export_cast=EF, distopt=False),
                 "overlap_ef": _resume("overlap_ef", export_cast=EF, distopt=True, sharding="dp_reshardable",
@@ -391,6 +403,31 @@ def test_fully_reshardable_tp2_checkpoint_resumes_at_tp1_dp2():
     assert resumed["mismatch"] == 0 and len(resumed["snaps"]) == STEPS - SAVE_AFTER
 
 
+def test_virtual_pipeline_resume_equals_uninterrupted():
+    """Two model chunks per PP rank: the checkpoint's model0/model1 entries and the optimizer's
+    shards over both chunks load back to the saved masters, residuals and export step."""
+    records = layout_run((1, 2, 1, True))
+    _check_resume_is_uninterrupted(records["vpp_ef"], records["vpp_ef_resumed"])
+
+
+@pytest.mark.parametrize("saved_by", ["stock", "stochastic"])
+def test_error_feedback_resumes_a_checkpoint_without_residuals(saved_by):
+    """A checkpoint of a stock run, or of a stochastic-rounding run, holds no residuals. Requesting
+    them fails dist-checkpointing's load at Megatron-LM's default --dist-ckpt-strictness
+    (KeyError: not in the checkpoint); they are requested only when the checkpoint's content
+    metadata says they were saved, and start at zero: the masters are the checkpoint's, each export
+    after it is the reference cast."""
+    if saved_by == "stock":
+        saved, resumed = layout_run(LAYOUTS[0])["stock_saved"], layout_run(LAYOUTS[0])["ef_from_stock"]
+    else:
+        saved, resumed = layout_run(SAVED_BY["dp_sr"])["dp_sr"], resume_run(1, 1, 2)["dp_sr_to_ef"]
+    assert "error" not in resumed, resumed.get("error")
+    assert_same(saved["saved"]["master"], resumed["loaded"]["master"], "loaded master")
+    assert not any(bits(r).any() for r in resumed["loaded"]["residual"].values())
+    assert len(resumed["snaps"]) == STEPS - SAVE_AFTER and resumed["mismatch"] == 0
+    assert resumed["export_steps"] == ([0, 1] if saved_by == "stock" else [SAVE_AFTER, SAVE_AFTER + 1])
+
+
 def test_float16_optimizer_resume_equals_uninterrupted():
     _check_resume_is_uninterrupted(layout_run(SAVED_BY["f16_ef"])["f16_ef"], resume_run(1, 1, 2)["f16_ef"])
 
@@ -400,6 +437,45 @@ def test_float16_optimizer_checkpoint_resumes_at_pp2():
     resumed = resume_run(1, 2, 1)["f16_ef_dp2_to_pp2"]
     _check_loaded_is_saved(layout_run(SAVED_BY["f16_ef"])["f16_ef"], resumed)
     assert resumed["mismatch"] == 0 and len(resumed["snaps"]) == STEPS - SAVE_AFTER
+
+
+# -- context parallelism ----------------------------------------------------------------------------
+def _context_jobs():
+    jobs = {f"{m}_fixed": dict(export_cast=c, distopt=True, set_state=5, exports=3) for m, c in METHODS.items()}
+    jobs.update({f"{m}_train": dict(export_cast=c, distopt=True, steps=2) for m, c in METHODS.items()})
+    jobs["float16_stochastic_train"] = dict(export_cast=SR, distopt=False, steps=2)  # CP ranks hold replicas
+    jobs["cp_ef"] = dict(export_cast=EF, distopt=True, steps=STEPS, save=CKPT["cp_ef"], save_after=SAVE_AFTER,
+                         sharding="dp_reshardable")
+    jobs["cp_ef_resumed"] = _resume("cp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable")
+    return jobs
+
+
+@functools.lru_cache(maxsize=None)
+def context_run():
+    """CP=2 process groups at TP=PP=DP=1 (2 ranks): DDP reduces grads and the DistributedOptimizer
+    shards the masters over DP x CP, as under --context-parallel-size 2. The attention is not split
+    over CP (megatron-core's local attention refuses CP > 1; TransformerEngine's needs CUDA), so both
+    CP ranks compute on the whole sequence: the run trains as the single-process one would."""
+    return run(1, 1, 1, _context_jobs(), cp=2)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_context_parallel_exports_the_same_model_and_the_reference_cast(method):
+    """The DistributedOptimizer's DP x CP shards export one master state as the single-process run
+    does, and every served element after training is the reference cast (both CP ranks' copies)."""
+    records = context_run()
+    assert_same_exports(layout_run(LAYOUTS[0])[f"{method}_fixed"], records[f"{method}_fixed"], method)
+    names = [f"{method}_fixed", f"{method}_train"] + (["float16_stochastic_train"] if method == "stochastic" else [])
+    for name in names:
+        record = records[name]
+        assert "error" not in record, record.get("error")
+        assert record["mismatch"] == 0 and record["replica_mismatch"] == 0 and record["master_copies"] == 0, name
+        assert record["rtn_differs"] > 200 and record["installed"], name
+
+
+def test_context_parallel_resume_equals_uninterrupted():
+    records = context_run()
+    _check_resume_is_uninterrupted(records["cp_ef"], records["cp_ef_resumed"])
 
 
 # -- MoE with expert parallelism (a ChainedOptimizer: dense and expert DistributedOptimizer) -----------
