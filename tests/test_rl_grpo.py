@@ -42,6 +42,32 @@ def test_arm_scores_average_the_last_evals_of_each_arm_and_pair():
         (0, "stochastic", 0, 10.0), (0, "stochastic", 10, 30.0), (1, "nearest", 10, 5.0)]]
     rows.append(dict(pair_seed=0, arm="nearest", step=3, reward=1.0))  # a step without an eval
     assert rl_grpo.arm_scores(rows, last=2) == {0: {"nearest": 30.0, "stochastic": 20.0}, 1: {"nearest": 5.0}}
+    # the primary score: every eval of the arm (the area under its learning curve), in step order
+    assert rl_grpo.arm_scores(rows) == {0: {"nearest": 70.0 / 3, "stochastic": 20.0}, 1: {"nearest": 5.0}}
+    assert rl_grpo.arm_scores(list(reversed(rows)), last=1)[0]["nearest"] == 40.0  # the last step, not the last row
+
+
+def test_paired_bootstrap_interval_of_the_mean_gain():
+    assert rl_grpo.paired_bootstrap_ci([0.5, 0.5, 0.5]) == (0.5, 0.5)  # no spread, no width
+    gains = [1.0, -0.5, 2.0, 0.0, 1.5, 0.5, -1.0, 3.0]
+    lo, hi = rl_grpo.paired_bootstrap_ci(gains)
+    assert lo < sum(gains) / len(gains) < hi and (lo, hi) == rl_grpo.paired_bootstrap_ci(gains)  # seeded
+    # the percentile interval of the resampled means: close to the normal one, mean +- 1.96 s.e. (n = 8)
+    se = torch.tensor(gains).std(unbiased=False).item() / len(gains) ** 0.5
+    assert lo == pytest.approx(0.8125 - 1.96 * se, abs=0.15) and hi == pytest.approx(0.8125 + 1.96 * se, abs=0.15)
+    wide, _ = rl_grpo.paired_bootstrap_ci(gains, level=0.99)
+    assert wide < lo
+    assert rl_grpo.compare_arms({0: {"nearest": 1.0, "dithered": 2.0}}, 0.0)["dithered"]["gain_ci"] == (1.0, 1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        rl_grpo.paired_bootstrap_ci([])
+    with pytest.raises(ValueError, match="level"):
+        rl_grpo.paired_bootstrap_ci(gains, level=1.0)
+
+
+def test_lag_peak_is_the_highest_mean_lag_over_pairs():
+    rows = [dict(pair_seed=s, arm="nearest", step=k, lag_steps=lag) for s, k, lag in
+            [(0, 1, 1), (0, 2, 4), (0, 3, 2), (1, 1, 3), (1, 2, 0), (1, 3, 4)]] + [dict(pair_seed=0, arm="nearest", step=0)]
+    assert rl_grpo.lag_peak(rows, "nearest") == 3.0  # step 3: (2 + 4) / 2
 
 
 def test_group_advantages_and_clipped_loss():
@@ -203,7 +229,14 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
     for name in ("summary.csv", "summary.md", "curves.png"):
         assert os.path.getsize(tmp_path / name) > 100
     with open(tmp_path / "summary.csv") as f:
-        assert [r["arm"] for r in csv.DictReader(f)] == list(ARMS)
+        summary = list(csv.DictReader(f))
+    assert [r["arm"] for r in summary] == list(ARMS)
+    assert {"score", "gain_lo", "gain_hi", "final_score", "final_gain", "lag_peak"} <= set(summary[0])
+    # the regime the run was in, printed: round-to-nearest's churn and its peak lag
+    nearest = [r for r in rows if r["arm"] == "nearest" and r["step"] != "0"]
+    churn = sum(float(r["changed_pct"]) for r in nearest) / len(nearest)
+    assert (f"Regime: round-to-nearest changes {churn:.2f}% of the served weights per step and its lag peaks at "
+            f"{max(float(r['lag_steps']) for r in nearest):.1f} steps") in proc.stdout
 
 
 @pytest.mark.slow
