@@ -393,15 +393,18 @@ def save(model, optimizer, ckpt_dir, sharding_type):
     dist_checkpointing.save(sd, ckpt_dir, _strategy(), content_metadata=metadata)
 
 
-def load(model, optimizer, ckpt_dir, sharding_type):
+def load(model, optimizer, ckpt_dir, sharding_type, fresh_metadata: bool = False):
     """As Megatron-LM's load_checkpoint: the optimizer's sharded_state_dict gets the checkpoint's
-    content metadata; dist-checkpointing's default strictness (``assume_ok_unexpected``)."""
+    content metadata (``fresh_metadata``: a new dict, as a custom loop might pass);
+    dist-checkpointing's default strictness (``assume_ok_unexpected``)."""
     from megatron.core import dist_checkpointing
     for leaf in leaves(optimizer):  # allocate the lazy optimizer state
         if hasattr(leaf, "_init_optimizer_states_with_dummy_values") and not leaf.optimizer.state:
             leaf._init_optimizer_states_with_dummy_values()
     metadata = dist_checkpointing.load_content_metadata(ckpt_dir)
     assert metadata["distrib_optim_sharding_type"] == sharding_type, metadata
+    if fresh_metadata:
+        metadata = {"distrib_optim_sharding_type": sharding_type}
     sd = model_state(model)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=metadata)
     loaded = dist_checkpointing.load(sd, ckpt_dir)
@@ -418,7 +421,7 @@ def _strategy():
 # -- jobs ------------------------------------------------------------------------------------------
 def _run_job(tp, pp, job: dict) -> dict:
     """Keys: export_cast, distopt, steps, first (step number of the first step), how,
-    load/save (dir) + sharding, set_state (seed) + exports (export-only count), fp16,
+    load/save (dir) + sharding (+ fresh_metadata), set_state (seed) + exports (export-only count), fp16,
     reload (call reload_model_params at the end), param_buffer (compare the two copy paths),
     rebuild_after (step numbers after which the bf16 model is offloaded and rebuilt from the masters),
     moe (a MoE GPT: :data:`MOE` overrides; EP / expert TP as the launch's ``run(..., ep=, etp=)``)."""
@@ -449,7 +452,7 @@ def _run_job(tp, pp, job: dict) -> dict:
         "_copy_main_params_to_model_params", "_copy_main_params_to_param_buffer", "_copy_model_params_to_main_params",
         "step_with_ready_grads", "sharded_state_dict", "load_state_dict", "export_cast")})
     if job.get("load"):
-        load(model, optimizer, job["load"], job.get("sharding", "dp_reshardable"))
+        load(model, optimizer, job["load"], job.get("sharding", "dp_reshardable"), job.get("fresh_metadata", False))
         record["loaded"] = snapshot(model, optimizer, ef)
         record["loaded_step"] = [e.caster.step for e in exports(optimizer)]
     if "set_state" in job:
@@ -587,6 +590,23 @@ def _compare_copy_paths(model, optimizer):
     return results
 
 
+@contextlib.contextmanager
+def logged_warnings():
+    """The messages megatron_patches logs at WARNING or above meanwhile (a list, filled as they come)."""
+    import logging
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+    handler, log = Collect(logging.WARNING), logging.getLogger("megatron_patches")
+    log.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
+
+
 def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=None, vpp=None, cp=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -602,7 +622,9 @@ def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=N
     records = {}
     try:
         for name, job in jobs.items():
-            records[name] = _run_job(tp, pp, job)
+            with logged_warnings() as warnings:
+                records[name] = _run_job(tp, pp, job)
+            records[name]["warnings"] = warnings
             torch.distributed.barrier()
     except Exception:
         records["__error__"] = traceback.format_exc()

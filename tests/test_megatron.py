@@ -151,6 +151,8 @@ RESUMES = {
     (1, 1, 2): {"dp_ef": _resume("dp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable", rebuild_after=(0,)),
                 "dp_sr": _resume("dp_sr", export_cast=SR, distopt=True, sharding="dp_reshardable", rebuild_after=(0,)),
                 "dp_sr_to_ef": _resume("dp_sr", export_cast=EF, distopt=True, sharding="dp_reshardable"),
+                "dp_ef_fresh_metadata": _resume("dp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable",
+                                                fresh_metadata=True),
                 "full_ef_tp2_to_dp2": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable"),
                 "f16_ef": _resume("f16_ef", export_cast=EF, distopt=False),
                 "overlap_ef": _resume("overlap_ef", export_cast=EF, distopt=True, sharding="dp_reshardable",
@@ -426,6 +428,17 @@ def test_error_feedback_resumes_a_checkpoint_without_residuals(saved_by):
     assert not any(bits(r).any() for r in resumed["loaded"]["residual"].values())
     assert len(resumed["snaps"]) == STEPS - SAVE_AFTER and resumed["mismatch"] == 0
     assert resumed["export_steps"] == ([0, 1] if saved_by == "stock" else [SAVE_AFTER, SAVE_AFTER + 1])
+    said = "no 'export_cast' entry" if saved_by == "stock" else "switching from stochastic to error_feedback"
+    assert len(resumed["warnings"]) == 1 and said in resumed["warnings"][0], resumed["warnings"]
+
+
+def test_a_load_without_the_checkpoints_content_metadata_names_why_residuals_start_at_zero():
+    """A loop that hands sharded_state_dict a metadata dict of its own, not the checkpoint's, loads no
+    residuals of an error-feedback checkpoint: the warning says so and how to fix it."""
+    resumed = resume_run(1, 1, 2)["dp_ef_fresh_metadata"]
+    assert "error" not in resumed and resumed["loaded_step"] == [SAVE_AFTER]
+    assert not any(bits(r).any() for r in resumed["loaded"]["residual"].values())
+    assert len(resumed["warnings"]) == 1 and "content metadata lacks 'export_cast_residuals'" in resumed["warnings"][0]
 
 
 def test_float16_optimizer_resume_equals_uninterrupted():
