@@ -376,7 +376,8 @@ class MegatronExport:
         return state
 
     def load(self, state: dict | None) -> None:
-        """Restore step and residuals from a loaded :meth:`sharded_state` (None: nothing saved).
+        """Restore step and residuals from a loaded :meth:`sharded_state`. None (a checkpoint written
+        without Fair Cast): as after ``reload_model_params`` (:meth:`reloaded`), with a warning.
 
         Raises:
             ValueError: a saved residual whose shape does not match its param (named).
