@@ -108,7 +108,6 @@ class MegatronExport:
             self.served = {id(s.model_param): self._target(s).clone() for s in self.shards()}
         self.stepping = False  # inside the leaf's step_with_ready_grads (see in_step)
         self._internal_load = False
-        self._residuals_unrequested = False  # set by sharded_state(): the load did not ask for residuals
         self._runs = {}  # (id(model param), start, end) -> fused-cast segments of that shard
         self.telemetry: ExportObserver = ExportObserver()  # a DriftObserver with install(telemetry=True)
         self._counted = {}  # shard key -> counts(shard)
@@ -353,8 +352,7 @@ class MegatronExport:
             if not is_loading:
                 metadata[RESIDUALS_METADATA_KEY] = True
             elif not metadata.get(RESIDUALS_METADATA_KEY):
-                self._residuals_unrequested = True  # the checkpoint holds none: load() starts them at zero
-                return state
+                return state  # the checkpoint holds none: load() starts them at zero
         entries = model_entries(self.model_chunks, model_sharded_state_dict or None)
         shards = {id(s.model_param): s for s in self.shards()}
         dtype = compat_residual_dtype(self.caster)
@@ -393,12 +391,13 @@ class MegatronExport:
         self.telemetry.reset()  # the served model is replaced: the next export primes again
         saved = state.get("residual") or {}
         action, warning = adopt_residuals(self.caster.method, bool(saved), state.get("method"))
-        if self._residuals_unrequested and state.get("method") == self.caster.method.value:
+        if action == "zero" and state.get("method") == self.caster.method.value:
+            # written with error feedback, yet no residuals: a load that asks for them gets them or fails,
+            # so they were not asked for (metadata that is not the checkpoint's)
             warning = (f"the checkpoint was written with {state['method']} but its content metadata lacks "
                        f"{RESIDUALS_METADATA_KEY!r}, so its residuals were not loaded (hand sharded_state_dict the "
                        "checkpoint's dist_checkpointing.load_content_metadata(), as Megatron-LM's load_checkpoint "
                        "does): residuals start at zero")
-        self._residuals_unrequested = False
         if warning is not None:
             logger.warning("Fair Cast: %s", warning)
         # the model was loaded first (as Megatron-LM's load_checkpoint does): it is the saved export

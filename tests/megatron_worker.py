@@ -49,10 +49,10 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
     """GPT (SwiGLU, tied embeddings, odd sizes) -> Float16Module -> DDP -> optimizer (+ Fair Cast).
     Returns the list of model chunks (one, or one per virtual pipeline stage under ``run(..., vpp=)``),
     the optimizer and the TransformerConfig.
-    ``frozen``: every param has requires_grad False (an optimizer over nothing). Every run has Megatron-LM's
-    ``finalize_model_grads`` (DP grad all-reduce, tied-embedding all-reduce across PP). ``production``:
-    the DDP sync funcs of Megatron-LM's training loop, with its ``ddp`` settings (e.g. ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``)
-    and ``sequence_parallel``. ``moe``: every layer's MLP is a mixture of experts (see :data:`MOE`,
+    ``frozen``: every param has requires_grad False (an optimizer over nothing). Every run has
+    Megatron-LM's ``finalize_model_grads`` (DP grad all-reduce, tied-embedding all-reduce across PP).
+    ``production``: the DDP sync funcs of Megatron-LM's training loop, with its ``ddp`` settings (e.g.
+    ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``) and ``sequence_parallel``. ``moe``: every layer's MLP is a mixture of experts (see :data:`MOE`,
     overridden by the dict's keys), its experts over the expert-parallel ranks that
     ``initialize_model_parallel`` set up (``run(..., ep=, etp=)``); the optimizer is then a
     ChainedOptimizer (a dense and an expert leaf)."""
