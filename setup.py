@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Fair Cast for Megatron and DeepSpeed: stochastic rounding / error feedback at the "
                 "fp32 master -> bf16 model cast, shard-aware and reproducible under any layout",
-    packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches"]),
+    packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches", "fsdp_hooks"]),
     # the fused CPU kernel, compiled on first use; faircast-run's start-up hook
     package_data={"faircast_dist": ["csrc/*.cpp", "startup/sitecustomize.py"]},
     python_requires=">=3.10",

@@ -1,0 +1,118 @@
+"""Fair Cast state of an FSDP2 model in ``torch.distributed.checkpoint`` (DCP) checkpoints, the way
+torchtitan checkpoints: the export step and, for error feedback, the residuals and the served bf16
+shards, as DTensors sharded like the params, so DCP reshards them to any world size or mesh.
+
+* :func:`save` / :func:`load`: model, optimizer (``get_state_dict`` / ``set_state_dict``) and Fair
+  Cast state in one DCP checkpoint; :func:`load` also takes a checkpoint without Fair Cast state
+  (a stock one, or one of another method) as the other adapters do: the export step follows the
+  optimizer's step count, residuals start at zero (warned).
+* :class:`ExportCastState`: the same state as a DCP ``Stateful``, for a checkpointer of your own
+  (put it under the key :data:`KEY`; the checkpoint must then hold it).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from faircast_dist.caster import adopt_residuals
+
+KEY = "export_cast"
+
+
+class ExportCastState(Stateful):
+    """DCP ``Stateful`` of a model's Fair Cast state: ``{"step": int, "method": str}`` plus, for
+    error feedback, ``"residual"`` and ``"served"`` (``{name: DTensor}`` of each param's shape,
+    float32 / bfloat16).
+
+    A load takes effect whatever order the checkpointer restores the model in: the loaded served
+    shards are what the model computes with until the next ``optimizer.step()``.
+
+    Args:
+        model: a model with :func:`fsdp_hooks.install` done.
+
+    Raises:
+        ValueError: Fair Cast is not installed on ``model``.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.export = getattr(model, "fair_export", None)
+        if self.export is None:
+            raise ValueError("fsdp_hooks.checkpoint: Fair Cast is not installed on this model (fsdp_hooks.install)")
+
+    def _sharded(self, buffers) -> dict[str, DTensor]:
+        ex = self.export
+        out = {}
+        for k, (name, fp) in enumerate(zip(ex.names, ex.params)):
+            p, local = fp.sharded_param, fp.sharded_param._local_tensor
+            out[name] = DTensor.from_local(buffers[k][:local.numel()].view(local.shape), p.device_mesh, p.placements,
+                                           run_check=False, shape=p.shape, stride=p.stride())
+        return out
+
+    def state_dict(self) -> dict:
+        ex = self.export
+        ex.ensure()
+        state = {"step": ex.caster.step, "method": str(ex.caster.method)}
+        if ex.residuals is not None:
+            state["residual"], state["served"] = self._sharded(ex.residuals), self._sharded(ex.outs)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        ex = self.export
+        ex.caster.step = int(state["step"])
+        action, warning = adopt_residuals(ex.caster.method, "residual" in state, state.get("method"))
+        if warning:
+            warnings.warn(f"fsdp_hooks.checkpoint: {warning}", stacklevel=2)
+        if action == "keep":
+            with torch.no_grad():
+                for key, buffers in (("residual", ex.residuals), ("served", ex.outs)):
+                    for target, loaded in zip(self._sharded(buffers).values(), state[key].values()):
+                        if loaded.to_local().data_ptr() != target.to_local().data_ptr():
+                            target.to_local().copy_(loaded.to_local())
+            ex.loaded()
+        else:
+            if ex.residuals is not None:
+                for r in ex.residuals:
+                    r.zero_()
+            ex.invalidate()
+
+
+def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:
+    """``dcp.save`` of ``{"model", "optimizer"}`` (``get_state_dict``) and the Fair Cast state under
+    :data:`KEY`. Collective."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd, KEY: ExportCastState(model)}, checkpoint_id=checkpoint_id)
+
+
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:
+    """Load what :func:`save` wrote (any world size or mesh), or a DCP checkpoint of the same
+    ``{"model", "optimizer"}`` layout without Fair Cast state. Collective.
+
+    Without Fair Cast state, the export step becomes the optimizer's step count (AdamW's
+    ``state["step"]``) and error feedback starts from zero residuals (a warning says so); a
+    checkpoint of another method keeps its step, and error-feedback residuals are dropped or
+    started at zero as :func:`faircast_dist.caster.adopt_residuals` rules.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    saved = set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    ours = ExportCastState(model)
+    request = {k: v for k, v in ours.state_dict().items()
+               if any(s == f"{KEY}.{k}" or s.startswith(f"{KEY}.{k}.") for s in saved)}
+    if request:
+        state[KEY] = request
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    if "step" not in request:
+        steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+        warnings.warn(f"fsdp_hooks.checkpoint: {checkpoint_id} holds no Fair Cast state: the export step follows "
+                      f"the optimizer ({max(steps, default=0)})", stacklevel=2)
+        request["step"] = max(steps, default=0)
+    if not ours.export.caster.method.needs_residual and any(s.startswith(f"{KEY}.residual.") for s in saved):
+        _, warning = adopt_residuals(ours.export.caster.method, True)
+        warnings.warn(f"fsdp_hooks.checkpoint: {warning}", stacklevel=2)
+    ours.load_state_dict(request)

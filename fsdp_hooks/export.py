@@ -1,0 +1,115 @@
+"""The export cast of an FSDP2 model: each rank's fp32 shards cast to the bf16 shards FSDP
+all-gathers for compute, and served.
+
+One :class:`FsdpExport` per model. It keeps, per param, a flat bf16 buffer shaped like FSDP's
+padded fp32 shard (2 bytes per local element) and, for error feedback, the residual. The cast runs
+once per optimizer step, lazily: the first all-gather after the masters changed casts every
+shard in one fused call (:meth:`faircast_dist.FairCaster.cast_tensors`); every re-gather of that
+step (backward with ``reshard_after_forward``, gradient accumulation) and :func:`served_weights`
+use the same bits. "The masters changed" is read from the params' version counters (bumped by the
+optimizer's in-place update and by ``load_state_dict``); the export step counts optimizer steps
+(an ``optimizer.register_step_post_hook``).
+"""
+from __future__ import annotations
+
+import torch
+
+from faircast_dist import FairCaster
+from faircast_dist.shards import block_index, index_runs
+from fsdp_hooks import compat
+
+
+class FsdpExport:
+    """Fair Cast state of one ``fully_shard``-ed model (built by :func:`fsdp_hooks.install`).
+
+    Args:
+        model: the root module (names come from its ``named_parameters()``).
+        caster: the :class:`~faircast_dist.FairCaster` (config, export step).
+
+    Attributes:
+        names: canonical param names, in FSDP's param order.
+        outs: per param, bfloat16 1-D buffer of FSDP's padded shard size: the cast local shard
+            (padding zero).
+        residuals: error feedback only: per param, the residual (1-D, padded shard size, the
+            configured residual dtype), else None.
+
+    Raises:
+        TypeError: a param whose sharded master is not float32 (named).
+    """
+
+    def __init__(self, model: torch.nn.Module, caster: FairCaster):
+        self.caster = caster
+        self.params = compat.fsdp_params(model)
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        self.names = [by_id[id(fp.sharded_param)] for fp in self.params]
+        for name, fp in zip(self.names, self.params):
+            if compat.padded_shard(fp).dtype != torch.float32:
+                raise TypeError(f"fsdp_hooks: param {name!r} is {compat.padded_shard(fp).dtype}: Fair Cast casts "
+                                "float32 master params (fully_shard an fp32 model, MixedPrecisionPolicy(param_dtype=bf16))")
+        self.fragments = []
+        for k, (name, fp) in enumerate(zip(self.names, self.params)):
+            local_shape, offsets = compat.global_offset(fp.sharded_param)
+            index = block_index(fp.sharded_param.shape, offsets, local_shape)
+            self.fragments += [(k, name, *map(int, row)) for row in index_runs(index)]
+        self.outs = [torch.zeros_like(compat.padded_shard(fp), dtype=torch.bfloat16) for fp in self.params]
+        self.residuals = ([caster.new_residual(compat.padded_shard(fp)) for fp in self.params]
+                          if caster.method.needs_residual else None)
+        self._versions = None  # the params' version counters at the last export (None: never exported)
+        self._hold = False  # outs were loaded: they are the export until the next optimizer step
+
+    def stale(self) -> bool:
+        """The masters changed since the last export (or there was none)."""
+        return self._versions != self.versions()
+
+    def versions(self) -> list[tuple[int, int, int]]:
+        """Per param: the DTensor param's identity and version counter (bumped by in-place updates:
+        the DTensor's, not its local tensor's, whose ops run below autograd) and its shard's identity."""
+        return [(id(fp.sharded_param), fp.sharded_param._version, id(compat.padded_shard(fp))) for fp in self.params]
+
+    @torch.no_grad()
+    def export(self) -> None:
+        """Cast every local fp32 shard into :attr:`outs` at the current export step (one fused call)."""
+        masters = [compat.padded_shard(fp) for fp in self.params]
+        self.caster.cast_tensors(masters, self.outs, self.fragments, self.residuals)
+        self._versions = self.versions()
+
+    def ensure(self) -> None:
+        """Export if the masters changed since the last export (not after a load: :meth:`loaded`)."""
+        if self._hold:
+            self._versions = self.versions()
+        elif self.stale():
+            self.export()
+
+    def loaded(self) -> None:
+        """Take :attr:`outs` (restored from a checkpoint) as the export of the masters until the next
+        optimizer step, whenever the masters themselves are restored."""
+        self._hold = True
+
+    def invalidate(self) -> None:
+        """Export again at the next all-gather (after a load that restored no served shards)."""
+        self._versions, self._hold = None, False
+
+    def stepped(self) -> None:
+        """The optimizer stepped: the next all-gather casts the new masters at the next export step."""
+        self.caster.advance()
+        self._hold = False
+
+    def pre_all_gather(self, k, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP's ``fsdp_pre_all_gather`` for param ``k`` (bound with ``functools.partial``): its
+        bf16 all-gather input is its cast shard, in FSDP's padded shard shape."""
+        self.ensure()
+        fp = self.params[k]
+        return (self.outs[k].view(fp.padded_sharded_param_size).to(fp.device, non_blocking=True),), None
+
+    @staticmethod
+    def post_all_gather(outputs, metadata, param_dtype, *, out=None):
+        """FSDP's ``fsdp_post_all_gather``: the gathered bf16 tensor is the unsharded param."""
+        (output,) = outputs
+        if out is not None:  # a later gather: FSDP re-filled the storage of the tensor returned first
+            return None
+        return output, (output,)
+
+    def local_served(self, k: int) -> torch.Tensor:
+        """Param ``k``'s served local block (bf16, the local shard's shape, no padding)."""
+        local = self.params[k].sharded_param._local_tensor
+        return self.outs[k][:local.numel()].view(local.shape)

@@ -1,0 +1,48 @@
+"""The served bf16 weights of an FSDP2 model with Fair Cast: full params for an inference engine's
+``load_weights``, or deltas since the previous sync."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from faircast_dist.delta import DeltaTracker
+
+
+def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, bf16 tensor of the param's full shape)`` for every param, in FSDP's order:
+    exactly the bits this step's forward computes with.
+
+    Each param is all-gathered on its own (memory: one full param at a time) and yielded as a new
+    tensor. Collective: every rank must run the generator to the end.
+
+    Args:
+        model: a ``fully_shard``-ed model with :func:`fsdp_hooks.install` done.
+
+    Raises:
+        ValueError: Fair Cast is not installed on ``model``.
+    """
+    export = getattr(model, "fair_export", None)
+    if export is None:
+        raise ValueError("fsdp_hooks.served_weights: Fair Cast is not installed on this model (fsdp_hooks.install)")
+    export.ensure()
+    for k, (name, fp) in enumerate(zip(export.names, export.params)):
+        p = fp.sharded_param
+        local = DTensor.from_local(export.local_served(k), p.device_mesh, p.placements, run_check=False,
+                                   shape=p.shape, stride=p.stride())
+        yield name, local.full_tensor()
+
+
+def served_deltas(model: torch.nn.Module, tracker: DeltaTracker) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Yield ``(name, index, values)`` for every param: the served bf16 elements whose bits changed
+    since ``tracker`` last saw them (see :mod:`faircast_dist.delta`; the first call yields every
+    element). Every rank yields the same deltas and keeps a bf16 copy of the model in ``tracker``.
+    Apply them with :func:`faircast_dist.delta.apply_deltas` (or the vLLM receiver). Collective.
+
+    Args:
+        model: as for :func:`served_weights`.
+        tracker: a :class:`faircast_dist.delta.DeltaTracker` used only with this model.
+    """
+    for name, weight in served_weights(model):
+        yield (name, *tracker.diff(name, weight))

@@ -1,0 +1,220 @@
+"""Fair Cast on PyTorch FSDP2 (fsdp_hooks), in real gloo processes: 1-D FSDP at world sizes 1/2/4,
+HSDP 2x2 and FSDP + TP 2x2 (tests/fsdp_worker.py). Four launches in all, shared by every test."""
+import pytest
+import torch
+
+import fsdp_worker
+from faircast_dist import ExportCastConfig, FairCaster, rounding
+
+METHODS = ("stochastic", "error_feedback", "dithered")
+LAYOUTS = {"fsdp1": (1, {"mesh": (1,)}), "fsdp2": (2, {"mesh": (2,)}), "fsdp4": (4, {"mesh": (4,)}),
+           "hsdp": (4, {"mesh": (2, 2)}), "tp": (4, {"mesh": (2, 2), "tp": True})}
+STEPS = 4  # uninterrupted; the resumes save after HALF and train the rest
+HALF = 2
+
+
+def cfg(method):
+    return {"mode": "fair", "method": method, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """{(layout, job id): record}. The world-2 launch saves the checkpoints the others resume."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    saves = {m: str(tmp / m) for m in METHODS} | {"stock": str(tmp / "stock")}
+    jobs = {w: [] for w in (1, 2, 4)}
+    for layout, (world, opts) in LAYOUTS.items():
+        for m in METHODS:
+            jobs[world] += [{**opts, "id": (layout, "train", m), "fn": "train", "export_cast": cfg(m), "steps": STEPS},
+                            {**opts, "id": (layout, "fixed", m), "fn": "fixed", "export_cast": cfg(m)}]
+            if not opts.get("tp") and len(opts["mesh"]) == 1 and world != 2:
+                jobs[world].append({**opts, "id": (layout, "resume", m), "fn": "resume", "export_cast": cfg(m),
+                                    "dir": saves[m], "steps": STEPS - HALF, "first": HALF})
+    for m in METHODS:  # world 2 first: saves, then resumes at the same world size
+        jobs[2] = [{"id": ("fsdp2", "save", m), "fn": "save_half", "export_cast": cfg(m), "steps": HALF, "dir": saves[m]},
+                   {"id": ("fsdp2", "resume", m), "fn": "resume", "export_cast": cfg(m), "dir": saves[m],
+                    "steps": STEPS - HALF, "first": HALF}] + jobs[2]
+    jobs[2] += [{"id": ("fsdp2", "stock"), "fn": "train", "export_cast": None, "steps": STEPS},
+                {"id": ("fsdp2", "nearest"), "fn": "train", "export_cast": {"mode": "nearest"}, "steps": STEPS},
+                {"id": ("fsdp2", "save", "stock"), "fn": "save_half", "export_cast": None, "steps": HALF,
+                 "dir": saves["stock"]},
+                {"id": ("fsdp2", "stock_resume"), "fn": "resume", "export_cast": cfg("error_feedback"),
+                 "dir": saves["stock"], "steps": 1, "first": HALF},
+                {"id": ("fsdp2", "uninstalled"), "fn": "train", "export_cast": cfg("stochastic"), "uninstall": True,
+                 "steps": STEPS},
+                {"id": ("fsdp2", "late"), "fn": "train", "export_cast": cfg("error_feedback"), "late": 1, "steps": 2},
+                {"id": ("fsdp2", "save", "drop"), "fn": "save_half", "export_cast": cfg("error_feedback"), "steps": 1,
+                 "dir": str(tmp / "drop")},
+                {"id": ("fsdp2", "drop"), "fn": "resume", "export_cast": cfg("stochastic"), "dir": str(tmp / "drop"),
+                 "steps": 1, "first": 1},
+                {"id": ("fsdp2", "deltas"), "fn": "deltas", "export_cast": cfg("dithered"), "steps": 4}]
+    jobs[4] += [{"id": ("fsdp4", "refuse", name), "fn": "refuse", **job} for name, job in REFUSALS_JOBS.items()]
+    out = {}
+    for world in (2, 4, 1):
+        for job, record in zip(jobs[world], fsdp_worker.run(world, jobs[world])):
+            out[job["id"]] = record
+    return out
+
+
+def get(records, *key):
+    record = records[key]
+    assert "error" not in record, record.get("traceback")
+    return record
+
+
+def bits(t):
+    return t.contiguous().view(-1).view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def assert_same(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys()
+    diff = {n: int((bits(a[n]) != bits(b[n])).sum()) for n in a}
+    assert not any(diff.values()), f"{what}: elements differing per param: {diff}"
+
+
+def reference_exports(method, snapshots):
+    """The single-process reference cast of each snapshot's gathered masters (error feedback: the
+    residual carried from the previous export, zero at the first)."""
+    caster = FairCaster(ExportCastConfig.from_value(cfg(method)))
+    residual, out = {}, []
+    for snap in snapshots:
+        caster.step = snap["step"]
+        served = {}
+        for n, m in snap["masters"].items():
+            if method == "error_feedback":
+                r = residual.setdefault(n, torch.zeros_like(m))
+                served[n] = rounding.cast_error_feedback(m, r)
+            else:
+                served[n] = rounding.cast_stochastic(m, caster.key(n), 0)
+        out.append(served)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("method", METHODS)
+def test_every_served_and_computed_weight_is_the_reference_cast(layout, method, records):
+    """At every step the served model (what the forward gathered) is the reference cast of the
+    gathered fp32 master, on every layout; error feedback's residual too."""
+    rec = get(records, layout, "train", method)
+    snaps = rec["steps"] + [rec["final"]]
+    assert [s["step"] for s in snaps] == list(range(STEPS + 1))
+    for k, (snap, ref) in enumerate(zip(snaps, reference_exports(method, snaps))):
+        assert_same(snap["served"], ref, f"{layout} {method} step {k}")
+    if method == "error_feedback":
+        residual = {n: torch.zeros_like(m) for n, m in snaps[0]["masters"].items()}
+        for snap in snaps:
+            for n, m in snap["masters"].items():
+                rounding.cast_error_feedback(m, residual[n])
+        assert_same(rec["final"]["residual"], residual, f"{layout} residual")
+
+
+@pytest.mark.parametrize("layout", [name for name, (_, opts) in LAYOUTS.items() if not opts.get("tp")])
+@pytest.mark.parametrize("method", METHODS)
+def test_the_forward_computes_with_the_served_bits(layout, method, records):
+    """The FSDP2 model's logits are exactly those of a plain bf16 copy loaded with served_weights
+    (TP is left out: its row-parallel sum runs in another order)."""
+    rec = get(records, layout, "train", method)
+    assert torch.equal(rec["logits"], rec["plain_logits"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_layout_invariance_one_master_trajectory(method, records):
+    """One master trajectory exported under FSDP 1/2/4, HSDP 2x2 and FSDP + TP 2x2: the same bits,
+    the reference cast's."""
+    exports = {layout: [s["served"] for s in get(records, layout, "fixed", method)["exports"]] for layout in LAYOUTS}
+    snaps = get(records, "fsdp1", "fixed", method)["exports"]
+    for layout, served in exports.items():
+        for k, (got, ref) in enumerate(zip(served, reference_exports(method, snaps))):
+            assert_same(got, ref, f"{layout} export {k}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_dcp_resume_equals_uninterrupted(method, world, records):
+    """Save at step 2 on 2 ranks (DCP), load on 1, 2 or 4, train to step 4: masters, served weights
+    and residuals bitwise those of the uninterrupted run."""
+    straight = get(records, "fsdp2", "train", method)
+    resumed = get(records, f"fsdp{world}", "resume", method)
+    assert resumed["warnings"] == []
+    for k, snap in enumerate(resumed["steps"] + [resumed["final"]]):
+        want = (straight["steps"] + [straight["final"]])[HALF + k]
+        assert snap["step"] == want["step"]
+        for what in ("masters", "served") + (("residual",) if method == "error_feedback" else ()):
+            assert_same(snap[what], want[what], f"{what} at step {want['step']}")
+
+
+def test_a_stock_checkpoint_resumes_error_feedback_from_zero_residuals_at_the_optimizer_step(records):
+    """A DCP checkpoint without Fair Cast state: the export step is the optimizer's (2), a warning
+    says so, and error feedback starts from zero residuals."""
+    rec = get(records, "fsdp2", "stock_resume")
+    assert any("holds no Fair Cast state" in w and "(2)" in w for w in rec["warnings"]), rec["warnings"]
+    assert any("residuals start at zero" in w for w in rec["warnings"]), rec["warnings"]
+    first = rec["steps"][0]
+    assert first["step"] == HALF
+    assert_same(first["served"], reference_exports("error_feedback", [first])[0], "first export after the load")
+
+
+def test_off_is_stock_fsdp2(records):
+    """No config or mode nearest: install changes nothing (trajectory bitwise stock)."""
+    stock, nearest = get(records, "fsdp2", "stock"), get(records, "fsdp2", "nearest")
+    assert_same(stock["final"]["masters"], nearest["final"]["masters"], "masters")
+    assert torch.equal(stock["logits"], nearest["logits"])
+    fair = get(records, "fsdp2", "train", "stochastic")
+    assert not torch.equal(stock["logits"], fair["logits"])  # the comparison can fail
+
+
+def test_uninstall_is_stock_fsdp2(records):
+    stock, uninstalled = get(records, "fsdp2", "stock"), get(records, "fsdp2", "uninstalled")
+    assert_same(stock["final"]["masters"], uninstalled["final"]["masters"], "masters")
+    assert torch.equal(stock["logits"], uninstalled["logits"])
+
+
+def test_install_after_stock_steps_computes_with_the_served_bits(records):
+    """Installed after one stock step (the first forward done): the export step counts from the
+    install, and the forward computes with the reference cast of the masters."""
+    rec = get(records, "fsdp2", "late")
+    snaps = rec["steps"] + [rec["final"]]
+    assert [s["step"] for s in snaps] == [0, 1, 2]
+    for k, (snap, ref) in enumerate(zip(snaps, reference_exports("error_feedback", snaps))):
+        assert_same(snap["served"], ref, f"step {k}")
+    assert torch.equal(rec["logits"], rec["plain_logits"])
+
+
+def test_a_checkpoint_with_residuals_loaded_without_error_feedback_says_they_are_dropped(records):
+    rec = get(records, "fsdp2", "drop")
+    assert any("dropping them" in w for w in rec["warnings"]), rec["warnings"]
+    first = rec["steps"][0]
+    assert first["step"] == 1
+    assert_same(first["served"], reference_exports("stochastic", [first])[0], "first export after the load")
+
+
+def test_served_deltas_rebuild_every_served_model(records):
+    rec = get(records, "fsdp2", "deltas")
+    assert rec["rebuilt"] == [True] * 4
+    assert 0 < sum(rec["changed"]) < 2000  # dithered: a fraction of the ~2k weights changes per step
+
+
+REFUSALS = {
+    "no_mixed_precision": ({"kwargs": {}}, "ValueError", "param_dtype=None"),
+    "fp16": ({"kwargs": {"param_dtype": torch.float16}}, "ValueError", "param_dtype=torch.float16"),
+    "bf16_masters": ({"kwargs": {"param_dtype": torch.bfloat16}, "dtype": torch.bfloat16}, "TypeError", "float32 master"),
+    "reshard_to_2": ({"kwargs": {"param_dtype": torch.bfloat16, "reshard_after_forward": 2}}, "NotImplementedError",
+                     "reshard_after_forward=<int>"),
+}
+REFUSALS_JOBS = {name: job for name, (job, _, _) in REFUSALS.items()}
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_what_it_cannot_cover_is_an_error_naming_it(name, records):
+    _, raised, match = REFUSALS[name]
+    rec = get(records, "fsdp4", "refuse", name)
+    assert rec["raised"] == raised and match in rec["message"], rec
+
+
+def test_a_model_without_fully_shard_and_a_bad_config_are_errors_naming_them():
+    import fsdp_hooks
+    model = fsdp_worker.Tiny()
+    with pytest.raises(ValueError, match="no fully_shard-ed module"):
+        fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), "fair")
+    with pytest.raises(ValueError, match="unknown key"):
+        fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), {"mode": "fair", "metod": "stochastic"})
