@@ -26,9 +26,9 @@ import torch.distributed as dist
 from faircast_dist import ExportCastConfig, FairCaster
 from fsdp_hooks import compat
 from fsdp_hooks.export import FsdpExport
-from fsdp_hooks.served import served_deltas, served_weights
+from fsdp_hooks.served import served_deltas, served_shards, served_weights
 
-__all__ = ["install", "uninstall", "served_weights", "served_deltas", "FsdpExport"]
+__all__ = ["install", "uninstall", "served_weights", "served_shards", "served_deltas", "FsdpExport"]
 
 _PRE, _POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 
@@ -43,7 +43,8 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config=Non
         model: the root module, ``fully_shard``-ed (its blocks too, as usual), fp32 params, every
             ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``.
         optimizer: the optimizer that steps the model's params; each ``step()`` advances the
-            export step (a step post-hook).
+            export step (a step post-hook on the torch optimizer; a wrapper holding it as
+            ``.optimizer``, e.g. accelerate's ``AcceleratedOptimizer``, is looked through).
         config: an :class:`~faircast_dist.ExportCastConfig` or what ``ExportCastConfig.from_value``
             takes (None, ``"fair"``, ``{"mode": "fair", "method": ..., "seed": ...}``).
 
@@ -63,6 +64,11 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config=Non
         return None
     if getattr(model, "fair_export", None) is not None:
         raise NotImplementedError("fsdp_hooks.install: Fair Cast is already installed on this model")
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # a wrapper's step calls the inner one's, which runs the hooks
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fsdp_hooks.install: optimizer must be a torch.optim.Optimizer (or wrap one as "
+                        f".optimizer), got {type(optimizer).__name__}")
     export = FsdpExport(model, FairCaster(config))
     for name, fp in zip(export.names, export.params):
         if fp.mp_policy.param_dtype != torch.bfloat16:

@@ -17,7 +17,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from faircast_dist.caster import adopt_residuals
 
@@ -44,21 +43,12 @@ class ExportCastState(Stateful):
         if self.export is None:
             raise ValueError("fsdp_hooks.checkpoint: Fair Cast is not installed on this model (fsdp_hooks.install)")
 
-    def _sharded(self, buffers) -> dict[str, DTensor]:
-        ex = self.export
-        out = {}
-        for k, (name, fp) in enumerate(zip(ex.names, ex.params)):
-            p, local = fp.sharded_param, fp.sharded_param._local_tensor
-            out[name] = DTensor.from_local(buffers[k][:local.numel()].view(local.shape), p.device_mesh, p.placements,
-                                           run_check=False, shape=p.shape, stride=p.stride())
-        return out
-
     def state_dict(self) -> dict:
         ex = self.export
         ex.ensure()
         state = {"step": ex.caster.step, "method": str(ex.caster.method)}
         if ex.residuals is not None:
-            state["residual"], state["served"] = self._sharded(ex.residuals), self._sharded(ex.outs)
+            state["residual"], state["served"] = ex.dtensors(ex.residuals), ex.dtensors(ex.outs)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -70,7 +60,7 @@ class ExportCastState(Stateful):
         if action == "keep":
             with torch.no_grad():
                 for key, buffers in (("residual", ex.residuals), ("served", ex.outs)):
-                    for target, loaded in zip(self._sharded(buffers).values(), state[key].values()):
+                    for target, loaded in zip(ex.dtensors(buffers).values(), state[key].values()):
                         if loaded.to_local().data_ptr() != target.to_local().data_ptr():
                             target.to_local().copy_(loaded.to_local())
             ex.loaded()

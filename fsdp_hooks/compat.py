@@ -21,7 +21,8 @@ VERSION = torch.__version__
 
 
 def fsdp_params(model: torch.nn.Module) -> list:
-    """Every ``FSDPParam`` of the ``fully_shard``-ed modules in ``model``, in module order.
+    """Every ``FSDPParam`` of the ``fully_shard``-ed modules in ``model``, in module order, once each
+    (modules sharded together by one ``fully_shard([...])`` call share one state).
 
     Raises:
         ValueError: no module of ``model`` is ``fully_shard``-ed.
@@ -29,7 +30,8 @@ def fsdp_params(model: torch.nn.Module) -> list:
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("fsdp_hooks: the model has no fully_shard-ed module: call fully_shard(...) first")
-    return [fp for m in modules for group in m._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
+    states = list({id(s): s for s in (m._get_fsdp_state() for m in modules)}.values())  # fully_shard([a, b]): one state
+    return [fp for state in states for group in state._fsdp_param_groups for fp in group.fsdp_params]
 
 
 def padded_shard(fp) -> torch.Tensor:

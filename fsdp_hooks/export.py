@@ -6,9 +6,9 @@ padded fp32 shard (2 bytes per local element) and, for error feedback, the resid
 once per optimizer step, lazily: the first all-gather after the masters changed casts every
 shard in one fused call (:meth:`faircast_dist.FairCaster.cast_tensors`); every re-gather of that
 step (backward with ``reshard_after_forward``, gradient accumulation) and :func:`served_weights`
-use the same bits. "The masters changed" is read from the params' version counters (bumped by the
-optimizer's in-place update and by ``load_state_dict``); the export step counts optimizer steps
-(an ``optimizer.register_step_post_hook``).
+use the same bits. The masters changed when the optimizer stepped (an
+``optimizer.register_step_post_hook``, which also counts the export step) or when the params' version
+counters moved (``load_state_dict``, an in-place edit of the params).
 """
 from __future__ import annotations
 
@@ -19,6 +19,18 @@ from faircast_dist.shards import block_index, index_runs
 from fsdp_hooks import compat
 
 
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
+
+
+def canonical_name(name: str) -> str:
+    """A param's name without the segments that activation-checkpointing and ``torch.compile``
+    wrappers insert (as ``torch.distributed.checkpoint``'s state dicts and torchtitan's
+    ``canonical_fqn`` drop them), so a param keys the same bits with and without them."""
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
 class FsdpExport:
     """Fair Cast state of one ``fully_shard``-ed model (built by :func:`fsdp_hooks.install`).
 
@@ -27,7 +39,9 @@ class FsdpExport:
         caster: the :class:`~faircast_dist.FairCaster` (config, export step).
 
     Attributes:
-        names: canonical param names, in FSDP's param order.
+        names: canonical param names (:func:`canonical_name` of ``model.named_parameters()``), in
+            that order; :attr:`params`
+            (FSDP's ``FSDPParam`` objects) and the buffers below follow it.
         outs: per param, bfloat16 1-D buffer of FSDP's padded shard size: the cast local shard
             (padding zero).
         residuals: error feedback only: per param, the residual (1-D, padded shard size, the
@@ -39,9 +53,9 @@ class FsdpExport:
 
     def __init__(self, model: torch.nn.Module, caster: FairCaster):
         self.caster = caster
-        self.params = compat.fsdp_params(model)
-        by_id = {id(p): n for n, p in model.named_parameters()}
-        self.names = [by_id[id(fp.sharded_param)] for fp in self.params]
+        order = {id(p): (i, canonical_name(n)) for i, (n, p) in enumerate(model.named_parameters())}
+        self.params = sorted(compat.fsdp_params(model), key=lambda fp: order[id(fp.sharded_param)][0])
+        self.names = [order[id(fp.sharded_param)][1] for fp in self.params]
         for name, fp in zip(self.names, self.params):
             if compat.padded_shard(fp).dtype != torch.float32:
                 raise TypeError(f"fsdp_hooks: param {name!r} is {compat.padded_shard(fp).dtype}: Fair Cast casts "
@@ -92,7 +106,8 @@ class FsdpExport:
     def stepped(self) -> None:
         """The optimizer stepped: the next all-gather casts the new masters at the next export step."""
         self.caster.advance()
-        self._hold = False
+        self._versions, self._hold = None, False  # whatever the version counters say: an optimizer that
+        # holds other DTensor objects over the same shards (accelerate's FSDP2 prepare) bumps none of them
 
     def pre_all_gather(self, k, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP's ``fsdp_pre_all_gather`` for param ``k`` (bound with ``functools.partial``): its
@@ -109,7 +124,13 @@ class FsdpExport:
             return None
         return output, (output,)
 
-    def local_served(self, k: int) -> torch.Tensor:
-        """Param ``k``'s served local block (bf16, the local shard's shape, no padding)."""
-        local = self.params[k].sharded_param._local_tensor
-        return self.outs[k][:local.numel()].view(local.shape)
+    def dtensors(self, buffers: list[torch.Tensor]) -> dict:
+        """``{name: DTensor}``: each param's local block of ``buffers`` (e.g. :attr:`outs`), sharded
+        like the param (its mesh, placements, shape); no communication."""
+        from torch.distributed.tensor import DTensor
+        out = {}
+        for k, (name, fp) in enumerate(zip(self.names, self.params)):
+            p, local = fp.sharded_param, fp.sharded_param._local_tensor
+            out[name] = DTensor.from_local(buffers[k][:local.numel()].view(local.shape), p.device_mesh, p.placements,
+                                           run_check=False, shape=p.shape, stride=p.stride())
+        return out

@@ -1,5 +1,5 @@
 """The served bf16 weights of an FSDP2 model with Fair Cast: full params for an inference engine's
-``load_weights``, or deltas since the previous sync."""
+``load_weights``, sharded DTensors for a sharded transfer, or deltas since the previous sync."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -11,7 +11,8 @@ from faircast_dist.delta import DeltaTracker
 
 
 def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, bf16 tensor of the param's full shape)`` for every param, in FSDP's order:
+    """Yield ``(name, bf16 tensor of the param's full shape)`` for every param once, in
+    ``model.named_parameters()`` order:
     exactly the bits this step's forward computes with.
 
     Each param is all-gathered on its own (memory: one full param at a time) and yielded as a new
@@ -23,15 +24,26 @@ def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     Raises:
         ValueError: Fair Cast is not installed on ``model``.
     """
+    if getattr(model, "fair_export", None) is None:
+        raise ValueError("fsdp_hooks.served_weights: Fair Cast is not installed on this model (fsdp_hooks.install)")
+    for name, shard in served_shards(model).items():
+        yield name, shard.full_tensor()
+
+
+def served_shards(model: torch.nn.Module) -> dict[str, DTensor]:
+    """``{name: bf16 DTensor}``: every param's served weights, sharded like the param (each rank's
+    local block, no communication), for a sharded weight transfer (torchstore, DCP). ``full_tensor()``
+    of each is what :func:`served_weights` yields. The DTensors view Fair Cast's buffers: valid until
+    the next ``optimizer.step()``.
+
+    Raises:
+        ValueError: Fair Cast is not installed on ``model``.
+    """
     export = getattr(model, "fair_export", None)
     if export is None:
-        raise ValueError("fsdp_hooks.served_weights: Fair Cast is not installed on this model (fsdp_hooks.install)")
+        raise ValueError("fsdp_hooks.served_shards: Fair Cast is not installed on this model (fsdp_hooks.install)")
     export.ensure()
-    for k, (name, fp) in enumerate(zip(export.names, export.params)):
-        p = fp.sharded_param
-        local = DTensor.from_local(export.local_served(k), p.device_mesh, p.placements, run_check=False,
-                                   shape=p.shape, stride=p.stride())
-        yield name, local.full_tensor()
+    return export.dtensors(export.outs)
 
 
 def served_deltas(model: torch.nn.Module, tracker: DeltaTracker) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -12,7 +12,12 @@ with fp32 master weights, torch AdamW, ``deepspeed_hooks.initialize``) is built 
 * arms: ``nearest`` (stock DeepSpeed: no Fair Cast attached), ``stochastic``, ``error_feedback``,
   ``dithered``, and ``stochastic+monitor`` (stochastic with DeepSpeed's CSV monitor enabled in
   the config, so the drift telemetry of :mod:`deepspeed_hooks.monitor` runs every step);
-* configs: ``zero2`` and ``zero2_offload`` (``offload_optimizer: cpu``, torch AdamW on the host).
+* configs: ``zero2`` and ``zero2_offload`` (``offload_optimizer: cpu``, torch AdamW on the host), and
+  ``fsdp2``: the same model ``fully_shard``-ed per decoder layer and at the root with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, torch AdamW, the arm installed with
+  :func:`fsdp_hooks.install` (``nearest``: stock FSDP2; no ``+monitor`` arm). Under FSDP2 the cast runs
+  in the first all-gather of the forward after each step, so its cost shows in the whole step, not in
+  ``optimizer.step()``.
 
 Arms run one engine at a time (memory: one trainer's worth), ``--rounds`` times with the arm
 order reversed every other round so slow drifts of a shared machine fall on every arm alike. Per
@@ -38,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fair_demo_common import collate, export_cast_config, load_model, make_batches  # noqa: E402
 
 ARMS = ("nearest", "stochastic", "error_feedback", "dithered", "stochastic+monitor")
-CONFIGS = ("zero2", "zero2_offload")
+CONFIGS = ("zero2", "zero2_offload", "fsdp2")
 
 
 def parse_args(argv=None):
@@ -109,6 +114,42 @@ def time_arm(model, batches, cfg, warmup: int, steps: int, clock=time.perf_count
     return whole, opt
 
 
+def time_fsdp2_arm(model, batches, arm: str, seed: int, warmup: int, steps: int,
+                   clock=time.perf_counter) -> tuple[list[float], list[float]]:
+    """(whole-step ms, ``optimizer.step()`` ms) of each timed step under FSDP2, the slowest rank's."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import fsdp_hooks
+    model = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    fsdp_hooks.install(model, optimizer, export_cast_config(arm, seed))
+    whole, opt = [], []
+    for i, (ids, labels) in enumerate(batches[:warmup + steps]):
+        tdist.barrier()
+        t0 = clock()
+        model(input_ids=ids, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t1 = clock()
+        optimizer.step()
+        optimizer.zero_grad()
+        t2 = clock()
+        ms = torch.tensor([1e3 * (t2 - t0), 1e3 * (t2 - t1)], dtype=torch.float64)
+        tdist.all_reduce(ms, op=tdist.ReduceOp.MAX)
+        if i >= warmup:
+            whole.append(float(ms[0]))
+            opt.append(float(ms[1]))
+    del model, optimizer
+    gc.collect()
+    return whole, opt
+
+
 def main(argv=None):
     args = parse_args(argv)
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
@@ -128,13 +169,17 @@ def main(argv=None):
     batches = [collate(data[(s * world + rank) * args.micro_batch:(s * world + rank + 1) * args.micro_batch])
                for s in range(n)]
     numel = sum(p.numel() for p in model.parameters())
-    samples = {(z, a): ([], []) for z in args.configs for a in args.arms}
+    arms = {z: [a for a in args.arms if not (z == "fsdp2" and a.endswith("+monitor"))] for z in args.configs}
+    samples = {(z, a): ([], []) for z in args.configs for a in arms[z]}
     with tempfile.TemporaryDirectory() as monitor_dir:
         for r in range(args.rounds):
             for zero in args.configs:
-                for arm in (args.arms if r % 2 == 0 else args.arms[::-1]):
-                    whole, opt = time_arm(model, batches, ds_config(zero, arm, args.micro_batch, args.seed, monitor_dir),
-                                          args.warmup, args.steps, clock)
+                for arm in (arms[zero] if r % 2 == 0 else arms[zero][::-1]):
+                    if zero == "fsdp2":
+                        whole, opt = time_fsdp2_arm(model, batches, arm, args.seed, args.warmup, args.steps, clock)
+                    else:
+                        whole, opt = time_arm(model, batches, ds_config(zero, arm, args.micro_batch, args.seed,
+                                                                        monitor_dir), args.warmup, args.steps, clock)
                     samples[zero, arm][0].extend(whole)
                     samples[zero, arm][1].extend(opt)
                     if rank == 0 and not args.json:
@@ -144,7 +189,7 @@ def main(argv=None):
     for zero in args.configs:
         base = {k: statistics.median(samples[zero, "nearest"][i]) for i, k in enumerate(("step_ms", "opt_ms"))} \
             if "nearest" in args.arms else None
-        for arm in args.arms:
+        for arm in arms[zero]:
             whole, opt = samples[zero, arm]
             row = {"config": zero, "arm": arm, "model": args.model, "params": numel, "ranks": world, "clock": args.clock,
                    "threads": torch.get_num_threads(), "steps": len(whole),

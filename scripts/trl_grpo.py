@@ -1,13 +1,22 @@
-"""GRPO with TRL's ``GRPOTrainer`` on DeepSpeed, Fair Cast at the fp32 master -> bf16 model cast.
+"""GRPO with TRL's ``GRPOTrainer`` on DeepSpeed or FSDP2, Fair Cast at the fp32 master -> bf16 model cast.
 
     torchrun --standalone --nproc_per_node 2 scripts/trl_grpo.py --zero-stage 2 --method stochastic \\
         --steps 4 --output-dir runs/trl
+    torchrun --standalone --nproc_per_node 2 scripts/trl_grpo.py --fsdp2 --method stochastic \\
+        --steps 4 --output-dir runs/trl_fsdp2
 
 A TRL script as its docs write one (a model path, a prompt dataset, a reward function, a
 ``GRPOConfig`` with ``deepspeed=<config dict>``), plus two Fair Cast lines: the ``"export_cast"``
 section of the DeepSpeed config and ``deepspeed_hooks.patch_deepspeed()`` before anything calls
 ``deepspeed.initialize`` (accelerate calls it for the policy, ``trl/models/utils.py``
 ``prepare_deepspeed`` for the reference model, which has no optimizer and is left stock).
+
+With ``--fsdp2`` (``GRPOConfig(fsdp="full_shard", fsdp_config={"version": 2, ...})``: accelerate
+``fully_shard``-s every decoder layer and the root, bf16 mixed precision) Fair Cast comes from two
+pieces instead: :class:`FairCastFSDP2` (a ``TrainerCallback``: :func:`fsdp_hooks.install` at
+``on_train_begin``, the export state saved beside each checkpoint and reloaded on resume) and
+:func:`fair_fsdp2_params` in place of TRL's ``VLLMGeneration._iter_fsdp2_params``, which sends
+each fp32 param's ``full_tensor()`` for vLLM to round to nearest.
 
 The model is a tiny random Llama with a byte-level tokenizer built here (nothing is downloaded),
 saved to ``OUTPUT_DIR/model`` so TRL loads the policy and the reference model from that path.
@@ -40,6 +49,7 @@ def parse_args(argv=None):
     """Command-line options (``--help``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--zero-stage", type=int, choices=(2, 3), default=2)
+    p.add_argument("--fsdp2", action="store_true", help="train with FSDP2 (fully_shard) instead of DeepSpeed")
     p.add_argument("--method", choices=METHODS, default="stochastic",
                    help="the export cast (nearest: the \"export_cast\" section says mode nearest)")
     p.add_argument("--stock", action="store_true", help="no \"export_cast\" section at all (stock DeepSpeed)")
@@ -63,8 +73,7 @@ def ds_config(stage: int, method: str, stock: bool) -> dict:
         "zero_optimization": {"stage": stage},
     }
     if not stock:
-        cfg["export_cast"] = ({"mode": "nearest"} if method == "nearest"
-                              else {"mode": "fair", "method": method, "seed": 1234})
+        cfg["export_cast"] = export_cast(method, stock)
     return cfg
 
 
@@ -106,6 +115,54 @@ class CountSteps(TrainerCallback):
         self.steps += 1
 
 
+def export_cast(method: str, stock: bool):
+    """The export-cast config of ``--method`` / ``--stock`` (None: no section)."""
+    if stock:
+        return None
+    return {"mode": "nearest"} if method == "nearest" else {"mode": "fair", "method": method, "seed": 1234}
+
+
+class FairCastFSDP2(TrainerCallback):
+    """Fair Cast on an FSDP2 policy under the HF ``Trainer`` (TRL's trainers): installs at
+    ``on_train_begin`` (the model is ``fully_shard``-ed and the optimizer built by then), saves the
+    export state with DCP into ``checkpoint-N/export_cast`` at every checkpoint, and on a resume
+    loads it from the checkpoint being resumed (``args.output_dir/checkpoint-<global_step>``)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        import fsdp_hooks
+        if fsdp_hooks.install(model, optimizer, self.config) is None or not state.global_step:
+            return
+        import torch.distributed.checkpoint as dcp
+        from fsdp_hooks.checkpoint import ExportCastState
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "export_cast")
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"FairCastFSDP2: resuming at step {state.global_step} without {folder}")
+        dcp.load({"export_cast": ExportCastState(model)}, checkpoint_id=folder)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if getattr(model, "fair_export", None) is None:
+            return
+        import torch.distributed.checkpoint as dcp
+        from fsdp_hooks.checkpoint import ExportCastState
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "export_cast")
+        dcp.save({"export_cast": ExportCastState(model)}, checkpoint_id=folder)
+
+
+def fair_fsdp2_params(self, module):
+    """TRL's ``VLLMGeneration._iter_fsdp2_params`` (``trl/generation/vllm_generation.py``) with Fair
+    Cast: the served bf16 weights, the bits the policy computes with, under vLLM's names, instead of
+    each fp32 param's ``full_tensor()``. Collective. PEFT models: TRL's own (not handled here)."""
+    import fsdp_hooks
+    if getattr(module, "fair_export", None) is None:
+        yield from _TRL_ITER_FSDP2(self, module)
+        return
+    for name, weight in fsdp_hooks.served_weights(module):
+        yield self._fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."]), weight
+
+
 def trl_sync_tensors(trainer):
     """What TRL's vLLM weight sync would send, without vLLM: ``VLLMGeneration._iter_named_params``
     (``trl/generation/vllm_generation.py``) on the trainer's model, each tensor copied to the host
@@ -126,6 +183,8 @@ def record(trainer) -> dict:
     class names, the policy's export method (``caster``, None when stock), whether the reference
     engine's optimizer has an ``export_caster``, the export step and the global step.
     """
+    if hasattr(trainer.model, "reshard"):  # FSDP2
+        return record_fsdp2(trainer)
     from deepspeed_hooks.export import RESIDUAL_KEY
     from deepspeed_hooks.served import served_weights
     engine, ref = trainer.model_wrapped, trainer.ref_model
@@ -149,6 +208,32 @@ def record(trainer) -> dict:
     }
 
 
+def record_fsdp2(trainer) -> dict:
+    """:func:`record` under FSDP2 (collective): the same keys, from :mod:`fsdp_hooks`."""
+    import fsdp_hooks
+    from fsdp_hooks.checkpoint import ExportCastState
+    model, ref = trainer.model, trainer.ref_model
+    export = getattr(model, "fair_export", None)
+
+    def full(named):
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", copy=True) for n, p in named}
+    model.reshard()
+    return {
+        "served": {n: t.to("cpu", copy=True) for n, t in fsdp_hooks.served_weights(model)} if export else {},
+        "trl_sync": trl_sync_tensors(trainer),
+        "master": full(model.named_parameters()),
+        "residual": full(ExportCastState(model).state_dict()["residual"].items())
+        if export is not None and export.residuals is not None else {},
+        "ref": full(ref.named_parameters()) if ref is not None else {},
+        "optimizer": type(trainer.optimizer.optimizer).__name__,
+        "caster": None if export is None else f"{export.caster.method}",
+        "export_step": None if export is None else export.caster.step,
+        "ref_optimizer": None,
+        "ref_has_caster": ref is not None and hasattr(ref, "fair_export"),
+        "global_step": trainer.state.global_step,
+    }
+
+
 def main(argv=None):
     """Train (or resume) the tiny GRPO run and save this rank's :func:`record`."""
     args = parse_args(argv)
@@ -159,12 +244,21 @@ def main(argv=None):
         # accelerate finds no process-group backend without a GPU (accelerate/state.py, _prepare_backend:
         # it then runs as one process), and under DeepSpeed transformers does not hand it ddp_backend:
         # make accelerate's state here with gloo, and have GRPOConfig use it (use_configured_state)
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        PartialState(backend="gloo")
-        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        if args.fsdp2:
+            # accelerate applies FSDP only to GPU-like distributed types (accelerate/state.py,
+            # AcceleratorState.__init__ leaves MULTI_CPU out): label the gloo CPU state MULTI_GPU
+            from accelerate.utils import DistributedType
+            PartialState(cpu=True, backend="gloo")
+            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+            PartialState(backend="gloo")
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
     config = GRPOConfig(
         output_dir=args.output_dir,
-        deepspeed=ds_config(args.zero_stage, args.method, args.stock),
+        deepspeed=None if args.fsdp2 else ds_config(args.zero_stage, args.method, args.stock),
+        fsdp="full_shard" if args.fsdp2 else None,
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]} if args.fsdp2 else None,
         accelerator_config={"use_configured_state": cpu},
         bf16=True,
         learning_rate=args.lr,
@@ -194,6 +288,8 @@ def main(argv=None):
     )
     counter = CountSteps()
     trainer.add_callback(counter)
+    if args.fsdp2:
+        trainer.add_callback(FairCastFSDP2(export_cast(args.method, args.stock)))
     checkpoint = get_last_checkpoint(args.output_dir) if args.resume else None
     if args.resume and checkpoint is None:
         raise SystemExit(f"--resume: no checkpoint-* in {args.output_dir}")
@@ -204,6 +300,11 @@ def main(argv=None):
         print(f"trl_grpo: {rec['global_step']} steps ({counter.steps} run here, resumed from {checkpoint}), optimizer {rec['optimizer']}, export cast {rec['caster']}, "
               f"reference model optimizer {rec['ref_optimizer']}", flush=True)
 
+
+from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
+
+_TRL_ITER_FSDP2 = VLLMGeneration._iter_fsdp2_params
+VLLMGeneration._iter_fsdp2_params = fair_fsdp2_params  # the one edit TRL's FSDP2 weight sync needs
 
 if __name__ == "__main__":
     main()

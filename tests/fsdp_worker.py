@@ -51,14 +51,19 @@ def batch(step: int):
     return torch.randn(8, DIM, generator=g), torch.randn(8, 5, generator=g)
 
 
-def build(mesh_shape: tuple[int, ...], tp: bool = False):
+def build(mesh_shape: tuple[int, ...], tp: bool = False, group: bool = False, ac: bool = False):
     """The model sharded on a mesh: ``(shard,)`` FSDP, ``(replicate, shard)`` HSDP, or with
-    ``tp`` a ``(dp, tp)`` mesh: TP (colwise up, rowwise down) then FSDP over dp."""
+    ``tp`` a ``(dp, tp)`` mesh: TP (colwise up, rowwise down) then FSDP over dp; ``group``: the last
+    block and the head in one ``fully_shard([...])``; ``ac``: activation checkpointing wrappers around
+    the blocks (names gain ``_checkpoint_wrapped_module``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = Tiny()
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        model.blocks = torch.nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
     if tp:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
@@ -69,8 +74,12 @@ def build(mesh_shape: tuple[int, ...], tp: bool = False):
         dp_mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     else:
         dp_mesh = init_device_mesh("cpu", mesh_shape)
-    for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    if group:  # one fully_shard over two modules (as accelerate shards the final norm with the head)
+        fully_shard(model.blocks[0], mesh=dp_mesh, mp_policy=mp_policy)
+        fully_shard([model.blocks[1], model.head], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     return model
 
@@ -88,7 +97,8 @@ def full(t) -> torch.Tensor:
 def setup(job: dict):
     """Model, AdamW and install as the job says (``mesh``, ``tp``, ``export_cast``)."""
     import fsdp_hooks
-    model = build(tuple(job.get("mesh", (dist.get_world_size(),))), job.get("tp", False))
+    model = build(tuple(job.get("mesh", (dist.get_world_size(),))), job.get("tp", False), job.get("group", False),
+                  job.get("ac", False))
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.get("lr", 1e-3), weight_decay=0.01)
     caster = fsdp_hooks.install(model, optimizer, job.get("export_cast"))
     return model, optimizer, caster
@@ -98,10 +108,16 @@ def snapshot(model) -> dict:
     """The served weights, full masters and (error feedback) full residuals now (collective)."""
     import fsdp_hooks
     export = getattr(model, "fair_export", None)
-    model.reshard()  # the root keeps its params unsharded after forward; the backward gathers them again
-    record = {"masters": {n: full(p) for n, p in model.named_parameters()}}
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():  # the root (and reshard_after_forward=False) keep params unsharded after
+        if isinstance(module, FSDPModule):  # forward; the backward gathers them again
+            module.reshard()
+    from fsdp_hooks.export import canonical_name
+    record = {"masters": {canonical_name(n): full(p) for n, p in model.named_parameters()}}
     if export is not None:
-        record["served"] = {n: w.clone() for n, w in fsdp_hooks.served_weights(model)}
+        served = [(n, w.clone()) for n, w in fsdp_hooks.served_weights(model)]
+        record["served"], record["served_names"] = dict(served), [n for n, _ in served]
+        record["shards_full"] = {n: full(t) for n, t in fsdp_hooks.served_shards(model).items()}
         record["step"] = export.caster.step
         if export.residuals is not None:
             from fsdp_hooks.checkpoint import ExportCastState

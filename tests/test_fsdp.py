@@ -8,7 +8,9 @@ from faircast_dist import ExportCastConfig, FairCaster, rounding
 
 METHODS = ("stochastic", "error_feedback", "dithered")
 LAYOUTS = {"fsdp1": (1, {"mesh": (1,)}), "fsdp2": (2, {"mesh": (2,)}), "fsdp4": (4, {"mesh": (4,)}),
-           "hsdp": (4, {"mesh": (2, 2)}), "tp": (4, {"mesh": (2, 2), "tp": True})}
+           "hsdp": (4, {"mesh": (2, 2)}), "tp": (4, {"mesh": (2, 2), "tp": True}),
+           "grouped": (2, {"mesh": (2,), "group": True}),  # fully_shard([block, head]), as accelerate does
+           "ac": (2, {"mesh": (2,), "ac": True})}  # activation checkpointing wrappers: the same canonical names
 STEPS = 4  # uninterrupted; the resumes save after HALF and train the rest
 HALF = 2
 
@@ -27,7 +29,7 @@ def records(tmp_path_factory):
         for m in METHODS:
             jobs[world] += [{**opts, "id": (layout, "train", m), "fn": "train", "export_cast": cfg(m), "steps": STEPS},
                             {**opts, "id": (layout, "fixed", m), "fn": "fixed", "export_cast": cfg(m)}]
-            if not opts.get("tp") and len(opts["mesh"]) == 1 and world != 2:
+            if layout in ("fsdp1", "fsdp4", "grouped"):
                 jobs[world].append({**opts, "id": (layout, "resume", m), "fn": "resume", "export_cast": cfg(m),
                                     "dir": saves[m], "steps": STEPS - HALF, "first": HALF})
     for m in METHODS:  # world 2 first: saves, then resumes at the same world size
@@ -108,6 +110,13 @@ def test_every_served_and_computed_weight_is_the_reference_cast(layout, method, 
         assert_same(rec["final"]["residual"], residual, f"{layout} residual")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_served_weights_yields_every_param_once_in_model_order(layout, records):
+    rec = get(records, layout, "train", "stochastic")
+    assert rec["final"]["served_names"] == list(rec["final"]["masters"])
+    assert_same(rec["final"]["shards_full"], rec["final"]["served"], "served_shards gathered")
+
+
 @pytest.mark.parametrize("layout", [name for name, (_, opts) in LAYOUTS.items() if not opts.get("tp")])
 @pytest.mark.parametrize("method", METHODS)
 def test_the_forward_computes_with_the_served_bits(layout, method, records):
@@ -119,8 +128,8 @@ def test_the_forward_computes_with_the_served_bits(layout, method, records):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_layout_invariance_one_master_trajectory(method, records):
-    """One master trajectory exported under FSDP 1/2/4, HSDP 2x2 and FSDP + TP 2x2: the same bits,
-    the reference cast's."""
+    """One master trajectory exported under FSDP 1/2/4, HSDP 2x2, FSDP + TP 2x2 and a grouped
+    fully_shard: the same bits, the reference cast's."""
     exports = {layout: [s["served"] for s in get(records, layout, "fixed", method)["exports"]] for layout in LAYOUTS}
     snaps = get(records, "fsdp1", "fixed", method)["exports"]
     for layout, served in exports.items():
@@ -128,13 +137,14 @@ def test_layout_invariance_one_master_trajectory(method, records):
             assert_same(got, ref, f"{layout} export {k}")
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2", "fsdp4", "grouped"])
 @pytest.mark.parametrize("method", METHODS)
-def test_dcp_resume_equals_uninterrupted(method, world, records):
-    """Save at step 2 on 2 ranks (DCP), load on 1, 2 or 4, train to step 4: masters, served weights
-    and residuals bitwise those of the uninterrupted run."""
+def test_dcp_resume_equals_uninterrupted(method, layout, records):
+    """Save at step 2 on 2 ranks (DCP), load on 1, 2 or 4 (or with the last block and the head in
+    one fully_shard), train to step 4: masters, served weights and residuals bitwise those of the
+    uninterrupted run."""
     straight = get(records, "fsdp2", "train", method)
-    resumed = get(records, f"fsdp{world}", "resume", method)
+    resumed = get(records, layout, "resume", method)
     assert resumed["warnings"] == []
     for k, snap in enumerate(resumed["steps"] + [resumed["final"]]):
         want = (straight["steps"] + [straight["final"]])[HALF + k]

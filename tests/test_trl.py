@@ -28,12 +28,14 @@ atexit.register(shutil.rmtree, TMP, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=None)
-def launch(stage: int, method: str, stock: bool = False, steps: int = STEPS, save_steps: int = 0,
+def launch(stage: int | str, method: str, stock: bool = False, steps: int = STEPS, save_steps: int = 0,
            resume_from: str | None = None):
-    """Run the script on 2 ranks; (output dir, [record of rank 0, rank 1], the launch's output)."""
+    """Run the script on 2 ranks (``stage``: 2 or 3, ZeRO; ``"fsdp2"``: FSDP2); (output dir,
+    [record of rank 0, rank 1], the launch's output)."""
     out = os.path.join(TMP, f"z{stage}_{'stock' if stock else method}_{steps}_{save_steps}_{bool(resume_from)}")
     os.makedirs(out)
-    argv = ["--zero-stage", str(stage), "--method", method, "--steps", str(steps), "--output-dir", out]
+    backend = ["--fsdp2"] if stage == "fsdp2" else ["--zero-stage", str(stage)]
+    argv = [*backend, "--method", method, "--steps", str(steps), "--output-dir", out]
     if stock:
         argv.append("--stock")
     if save_steps:
@@ -121,3 +123,47 @@ def test_error_feedback_checkpoint_resume_equals_uninterrupted_zero3():
     for key in ("served", "master", "residual", "trl_sync"):
         assert_same(resumed[key], full[key])
     assert_same(full["trl_sync"], full["served"])
+
+
+def reference_served(rec) -> dict:
+    """faircast's reference stochastic cast of each final master at the final export step."""
+    from faircast_dist import derive_key
+    from faircast_dist.rounding import cast_stochastic
+    return {n: cast_stochastic(m, derive_key(1234, rec["export_step"], n), 0) for n, m in rec["master"].items()}
+
+
+def test_fsdp2_policy_computes_and_serves_the_reference_cast_and_trl_sync_sends_it():
+    """TRL on FSDP2 (accelerate's fully_shard of every decoder layer, the tail group and the root):
+    the served model is the reference cast of the masters at the export step (= the global step),
+    TRL's vLLM sync (with fair_fsdp2_params) sends exactly it, on both ranks."""
+    out, (rec, rec1), log = launch("fsdp2", "stochastic")
+    assert rec["caster"] == "stochastic" and rec["global_step"] == rec["export_step"] == STEPS
+    assert "Fair Cast: FSDP2 bf16 all-gather inputs and served weights use stochastic (seed 1234)" in log
+    assert list(rec["served"]) == list(rec["master"])  # every param once (accelerate groups norm + head)
+    assert_same(rec["served"], reference_served(rec))
+    assert differs_from_rtn(rec) > 0.02 * sum(t.numel() for t in rec["served"].values())
+    assert_same(rec["trl_sync"], rec["served"])
+    assert_same(rec1["served"], rec["served"])
+    assert not rec["ref_has_caster"]
+    init = initial_weights(out)
+    assert_same(rec["ref"], init)  # the reference model's fp32 weights, untouched
+
+
+def test_fsdp2_stock_trl_sync_sends_fp32_masters():
+    """Without Fair Cast TRL's FSDP2 sync sends each fp32 master (vLLM then rounds it to nearest)."""
+    _, (rec, _), _ = launch("fsdp2", "nearest", stock=True)
+    assert rec["caster"] is None and rec["served"] == {}
+    assert_same(rec["trl_sync"], rec["master"])
+
+
+def test_fsdp2_error_feedback_checkpoint_resume_equals_uninterrupted():
+    """HF Trainer checkpoints under FSDP2 with FairCastFSDP2 (export state in checkpoint-N/export_cast,
+    DCP) resume bit for bit: served, masters, residuals and what TRL's sync sends."""
+    out, (full, _), _ = launch("fsdp2", "error_feedback", steps=4, save_steps=2)
+    _, (resumed, _), _ = launch("fsdp2", "error_feedback", steps=4, save_steps=2,
+                                resume_from=os.path.join(out, "checkpoint-2"))
+    assert (full["steps_run"], resumed["steps_run"]) == (4, 2)
+    assert full["export_step"] == resumed["export_step"] == 4
+    assert sum(int((r != 0).sum()) for r in full["residual"].values()) > 0
+    for key in ("served", "master", "residual", "trl_sync"):
+        assert_same(resumed[key], full[key])
