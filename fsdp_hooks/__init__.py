@@ -54,7 +54,8 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config=Non
 
     Raises:
         ValueError / TypeError: a bad config (named key), a model without ``fully_shard``, a param
-            whose ``param_dtype`` is not bfloat16 or whose master is not float32 (named).
+            whose ``param_dtype`` is not bfloat16 or whose master is not float32 (named), an
+            optimizer that is no ``torch.optim.Optimizer`` or holds none of the model's params.
         NotImplementedError: ``reshard_after_forward=<int>``, a param whose local tensor already
             has an all-gather extension (e.g. float8 training), or a second install.
     """
@@ -70,6 +71,10 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config=Non
         raise TypeError(f"fsdp_hooks.install: optimizer must be a torch.optim.Optimizer (or wrap one as "
                         f".optimizer), got {type(optimizer).__name__}")
     export = FsdpExport(model, FairCaster(config))
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not stepped & {id(fp.sharded_param) for fp in export.params}:
+        raise ValueError("fsdp_hooks.install: the optimizer holds none of the model's params: pass the optimizer "
+                         "that steps this model (built after fully_shard), whose steps count the exports")
     for name, fp in zip(export.names, export.params):
         if fp.mp_policy.param_dtype != torch.bfloat16:
             raise ValueError(f"fsdp_hooks: param {name!r}: MixedPrecisionPolicy(param_dtype={fp.mp_policy.param_dtype}); "

@@ -11,9 +11,12 @@ shards, as DTensors sharded like the params, so DCP reshards them to any world s
 """
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -24,7 +27,7 @@ KEY = "export_cast"
 
 
 class ExportCastState(Stateful):
-    """DCP ``Stateful`` of a model's Fair Cast state: ``{"step": int, "method": str}`` plus, for
+    """DCP ``Stateful`` of a model's Fair Cast state: ``{"step": int, "method": str, "seed": int}`` plus, for
     error feedback, ``"residual"`` and ``"served"`` (``{name: DTensor}`` of each param's shape,
     float32 / bfloat16).
 
@@ -46,7 +49,7 @@ class ExportCastState(Stateful):
     def state_dict(self) -> dict:
         ex = self.export
         ex.ensure()
-        state = {"step": ex.caster.step, "method": str(ex.caster.method)}
+        state = {"step": ex.caster.step, "method": str(ex.caster.method), "seed": ex.caster.config.seed}
         if ex.residuals is not None:
             state["residual"], state["served"] = ex.dtensors(ex.residuals), ex.dtensors(ex.outs)
         return state
@@ -54,6 +57,9 @@ class ExportCastState(Stateful):
     def load_state_dict(self, state: dict) -> None:
         ex = self.export
         ex.caster.step = int(state["step"])
+        if state.get("seed", ex.caster.config.seed) != ex.caster.config.seed and ex.caster.method.keyed:
+            warnings.warn(f"fsdp_hooks.checkpoint: the checkpoint was written with seed {state['seed']}, the "
+                          f"config now says {ex.caster.config.seed}: the random bits change from here", stacklevel=2)
         action, warning = adopt_residuals(ex.caster.method, "residual" in state, state.get("method"))
         if warning:
             warnings.warn(f"fsdp_hooks.checkpoint: {warning}", stacklevel=2)
@@ -73,9 +79,33 @@ class ExportCastState(Stateful):
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:
     """``dcp.save`` of ``{"model", "optimizer"}`` (``get_state_dict``) and the Fair Cast state under
-    :data:`KEY`. Collective."""
+    :data:`KEY`, into a new folder (one per step, as torchtitan's ``step-N``). Collective.
+
+    Written to ``checkpoint_id + ".partial"`` and renamed to ``checkpoint_id`` by rank 0 once every
+    rank has written (DCP overwrites data files in place): a save killed midway leaves no folder
+    under the final name, and earlier checkpoints untouched.
+
+    Raises:
+        FileExistsError: ``checkpoint_id`` exists (nothing is overwritten).
+    """
+    if os.path.exists(checkpoint_id):
+        raise FileExistsError(f"fsdp_hooks.checkpoint.save: {checkpoint_id} exists; save each step to a new folder")
+    partial = f"{checkpoint_id}.partial"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0 and os.path.exists(partial):  # left by a killed save
+        shutil.rmtree(partial)
+    _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd, KEY: ExportCastState(model)}, checkpoint_id=checkpoint_id)
+    dcp.save({"model": model_sd, "optimizer": optim_sd, KEY: ExportCastState(model)}, checkpoint_id=partial)
+    _barrier()
+    if rank0:
+        os.rename(partial, checkpoint_id)
+    _barrier()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:

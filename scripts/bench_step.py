@@ -88,26 +88,35 @@ def ds_config(zero: str, arm: str, micro_batch: int, seed: int, monitor_dir: str
     return cfg
 
 
+def timed_steps(batches, warmup: int, clock, forward_backward, step) -> tuple[list[float], list[float]]:
+    """Run ``forward_backward(ids, labels)`` then ``step()`` per batch; (whole-step ms, step ms) of the
+    steps after ``warmup``, the slowest rank's (a MAX all-reduce)."""
+    import torch.distributed as tdist
+    whole, opt = [], []
+    for i, (ids, labels) in enumerate(batches):
+        tdist.barrier()
+        t0 = clock()
+        forward_backward(ids, labels)
+        t1 = clock()
+        step()
+        t2 = clock()
+        ms = torch.tensor([1e3 * (t2 - t0), 1e3 * (t2 - t1)], dtype=torch.float64)
+        tdist.all_reduce(ms, op=tdist.ReduceOp.MAX)
+        if i >= warmup:
+            whole.append(float(ms[0]))
+            opt.append(float(ms[1]))
+    return whole, opt
+
+
 def time_arm(model, batches, cfg, warmup: int, steps: int, clock=time.perf_counter) -> tuple[list[float], list[float]]:
     """(whole-step ms, ``engine.step()`` ms) of each timed step, the slowest rank's."""
     import deepspeed_hooks
     from deepspeed import comm as dist
     model = copy.deepcopy(model)
     engine, *_ = deepspeed_hooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    whole, opt = [], []
-    for i, (ids, labels) in enumerate(batches[:warmup + steps]):
-        dist.barrier()
-        t0 = clock()
-        loss = engine(input_ids=ids, labels=labels).loss
-        engine.backward(loss)
-        t1 = clock()
-        engine.step()
-        t2 = clock()
-        ms = torch.tensor([1e3 * (t2 - t0), 1e3 * (t2 - t1)], dtype=torch.float64)
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            whole.append(float(ms[0]))
-            opt.append(float(ms[1]))
+    whole, opt = timed_steps(batches[:warmup + steps], warmup, clock,
+                             lambda ids, labels: engine.backward(engine(input_ids=ids, labels=labels).loss),
+                             engine.step)
     engine.destroy()
     del engine
     gc.collect()
@@ -130,21 +139,14 @@ def time_fsdp2_arm(model, batches, arm: str, seed: int, warmup: int, steps: int,
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
     fsdp_hooks.install(model, optimizer, export_cast_config(arm, seed))
-    whole, opt = [], []
-    for i, (ids, labels) in enumerate(batches[:warmup + steps]):
-        tdist.barrier()
-        t0 = clock()
+    def forward_backward(ids, labels):
         model(input_ids=ids, labels=labels).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        t1 = clock()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the DeepSpeed config's gradient_clipping
+
+    def step():
         optimizer.step()
         optimizer.zero_grad()
-        t2 = clock()
-        ms = torch.tensor([1e3 * (t2 - t0), 1e3 * (t2 - t1)], dtype=torch.float64)
-        tdist.all_reduce(ms, op=tdist.ReduceOp.MAX)
-        if i >= warmup:
-            whole.append(float(ms[0]))
-            opt.append(float(ms[1]))
+    whole, opt = timed_steps(batches[:warmup + steps], warmup, clock, forward_backward, step)
     del model, optimizer
     gc.collect()
     return whole, opt

@@ -99,9 +99,27 @@ def setup(job: dict):
     import fsdp_hooks
     model = build(tuple(job.get("mesh", (dist.get_world_size(),))), job.get("tp", False), job.get("group", False),
                   job.get("ac", False))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.get("lr", 1e-3), weight_decay=0.01)
+    kind, lr = job.get("optimizer", "adamw"), job.get("lr", 1e-3)
+    if kind == "data_sgd":  # updates p.data: bumps no version counter of the params
+        optimizer = DataSGD(model.parameters(), lr=lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=kind == "fused")
     caster = fsdp_hooks.install(model, optimizer, job.get("export_cast"))
     return model, optimizer, caster
+
+
+class DataSGD(torch.optim.Optimizer):
+    """Plain SGD written the way many third-party optimizers are: on ``p.data``."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
 
 
 def snapshot(model) -> dict:
@@ -125,9 +143,10 @@ def snapshot(model) -> dict:
     return record
 
 
-def train_steps(model, optimizer, steps, first=0) -> list[dict]:
-    """``steps`` AdamW steps on the shared batches; one :func:`snapshot` per step, taken after the
-    forward (what it computed with) and before the update."""
+def train_steps(model, optimizer, steps, first=0, gradless=False) -> list[dict]:
+    """``steps`` optimizer steps on the shared batches; one :func:`snapshot` per step, taken after
+    the forward (what it computed with) and before the update. ``gradless``: one more ``step()``
+    after each, with every grad None (it changes no master, the export step still advances)."""
     records = []
     for step in range(first, first + steps):
         x, y = batch(step)
@@ -136,6 +155,8 @@ def train_steps(model, optimizer, steps, first=0) -> list[dict]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if gradless:
+            optimizer.step()
     return records
 
 
@@ -150,7 +171,7 @@ def train(job: dict) -> dict:
         fsdp_hooks.install(model, optimizer, job["export_cast"])
     if job.get("uninstall"):
         fsdp_hooks.uninstall(model)
-    steps = train_steps(model, optimizer, job.get("steps", 3), late)
+    steps = train_steps(model, optimizer, job.get("steps", 3), late, job.get("gradless", False))
     record = {"steps": steps, "final": snapshot(model)}
     x, _ = batch(99)
     with torch.no_grad():
@@ -235,11 +256,44 @@ def refuse(job: dict) -> dict:
     if "param_dtype" in kwargs:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=kwargs.pop("param_dtype"))
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), **kwargs)
+    params = [torch.nn.Parameter(torch.zeros(3))] if job.get("foreign") else model.parameters()
     try:
-        fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), {"mode": "fair"})
+        fsdp_hooks.install(model, torch.optim.AdamW(params), {"mode": "fair"})
     except Exception as err:
         return {"raised": type(err).__name__, "message": str(err)}
     return {"raised": None}
+
+
+def save_refusals(job: dict) -> dict:
+    """checkpoint.save into an existing folder, and a save that dies midway (DCP's save raising):
+    what is left under each name."""
+    from fsdp_hooks import checkpoint
+    model, optimizer, _ = setup(job)
+    train_steps(model, optimizer, 1)
+    first, second = os.path.join(job["dir"], "step-1"), os.path.join(job["dir"], "step-2")
+    checkpoint.save(model, optimizer, first)
+    out = {}
+    try:
+        checkpoint.save(model, optimizer, first)
+    except FileExistsError as err:
+        out["exists"] = str(err)
+    save = checkpoint.dcp.save
+
+    def dies(state, checkpoint_id):
+        save(state, checkpoint_id=checkpoint_id)
+        raise RuntimeError("killed after writing")
+    checkpoint.dcp.save = dies
+    try:
+        checkpoint.save(model, optimizer, second)
+    except RuntimeError as err:
+        out["died"] = str(err)
+    finally:
+        checkpoint.dcp.save = save
+    out["second_after_death"] = os.path.exists(second)
+    checkpoint.save(model, optimizer, second)
+    out["second"], out["partial_left"] = os.path.exists(second), os.path.exists(second + ".partial")
+    checkpoint.load(model, optimizer, first)
+    return out
 
 
 def _worker(rank, world, port, jobs, out):

@@ -49,6 +49,14 @@ def records(tmp_path_factory):
                  "dir": str(tmp / "drop")},
                 {"id": ("fsdp2", "drop"), "fn": "resume", "export_cast": cfg("stochastic"), "dir": str(tmp / "drop"),
                  "steps": 1, "first": 1},
+                {"id": ("fsdp2", "opt", "fused"), "fn": "train", "export_cast": cfg("error_feedback"),
+                 "optimizer": "fused", "steps": 3},
+                {"id": ("fsdp2", "opt", "data_sgd"), "fn": "train", "export_cast": cfg("stochastic"),
+                 "optimizer": "data_sgd", "steps": 3},
+                {"id": ("fsdp2", "gradless"), "fn": "train", "export_cast": cfg("stochastic"), "gradless": True,
+                 "steps": 3},
+                {"id": ("fsdp2", "save_refusals"), "fn": "save_refusals", "export_cast": cfg("error_feedback"),
+                 "dir": str(tmp / "refusals")},
                 {"id": ("fsdp2", "deltas"), "fn": "deltas", "export_cast": cfg("dithered"), "steps": 4}]
     jobs[4] += [{"id": ("fsdp4", "refuse", name), "fn": "refuse", **job} for name, job in REFUSALS_JOBS.items()]
     out = {}
@@ -198,6 +206,28 @@ def test_a_checkpoint_with_residuals_loaded_without_error_feedback_says_they_are
     assert_same(first["served"], reference_exports("stochastic", [first])[0], "first export after the load")
 
 
+@pytest.mark.parametrize("key", [("opt", "fused"), ("opt", "data_sgd"), ("gradless",)])
+def test_optimizers_that_bump_no_version_counter_and_steps_that_change_nothing(key, records):
+    """AdamW(fused=True) and an optimizer on p.data change the masters without moving the params'
+    version counters; a step with every grad None changes none but advances the export step. Each
+    export is still the reference cast at its step."""
+    rec = get(records, "fsdp2", *key)
+    method = "error_feedback" if key == ("opt", "fused") else "stochastic"
+    snaps = rec["steps"] + [rec["final"]]
+    assert [s["step"] for s in snaps] == ([0, 2, 4, 6] if key == ("gradless",) else [0, 1, 2, 3])
+    assert any(not torch.equal(m, snaps[-1]["masters"][n]) for n, m in snaps[0]["masters"].items())  # it trains
+    for k, (snap, ref) in enumerate(zip(snaps, reference_exports(method, snaps))):
+        assert_same(snap["served"], ref, f"{key} export {k}")
+    assert torch.equal(rec["logits"], rec["plain_logits"])
+
+
+def test_a_save_never_overwrites_and_a_save_that_dies_leaves_no_checkpoint(records):
+    rec = get(records, "fsdp2", "save_refusals")
+    assert "exists; save each step to a new folder" in rec["exists"]
+    assert rec["died"] == "killed after writing" and rec["second_after_death"] is False
+    assert rec["second"] and not rec["partial_left"]
+
+
 def test_served_deltas_rebuild_every_served_model(records):
     rec = get(records, "fsdp2", "deltas")
     assert rec["rebuilt"] == [True] * 4
@@ -210,6 +240,8 @@ REFUSALS = {
     "bf16_masters": ({"kwargs": {"param_dtype": torch.bfloat16}, "dtype": torch.bfloat16}, "TypeError", "float32 master"),
     "reshard_to_2": ({"kwargs": {"param_dtype": torch.bfloat16, "reshard_after_forward": 2}}, "NotImplementedError",
                      "reshard_after_forward=<int>"),
+    "foreign_optimizer": ({"kwargs": {"param_dtype": torch.bfloat16}, "foreign": True}, "ValueError",
+                          "holds none of the model's params"),
 }
 REFUSALS_JOBS = {name: job for name, (job, _, _) in REFUSALS.items()}
 
