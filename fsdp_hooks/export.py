@@ -40,8 +40,7 @@ class FsdpExport:
 
     Attributes:
         names: canonical param names (:func:`canonical_name` of ``model.named_parameters()``), in
-            that order; :attr:`params`
-            (FSDP's ``FSDPParam`` objects) and the buffers below follow it.
+            that order; :attr:`params` (FSDP's ``FSDPParam`` objects) and the buffers follow it.
         outs: per param, bfloat16 1-D buffer of FSDP's padded shard size: the cast local shard
             (padding zero).
         residuals: error feedback only: per param, the residual (1-D, padded shard size, the
@@ -106,8 +105,8 @@ class FsdpExport:
     def stepped(self) -> None:
         """The optimizer stepped: the next all-gather casts the new masters at the next export step."""
         self.caster.advance()
-        self._versions, self._hold = None, False  # whatever the version counters say: an optimizer that
-        # holds other DTensor objects over the same shards (accelerate's FSDP2 prepare) bumps none of them
+        self._versions, self._hold = None, False  # whatever the version counters say: AdamW(fused=True)
+        # and optimizers that write p.data (HF Trainer's default is fused AdamW) move none of them
 
     def pre_all_gather(self, k, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP's ``fsdp_pre_all_gather`` for param ``k`` (bound with ``functools.partial``): its
