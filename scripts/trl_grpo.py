@@ -183,7 +183,8 @@ def record(trainer) -> dict:
     class names, the policy's export method (``caster``, None when stock), whether the reference
     engine's optimizer has an ``export_caster``, the export step and the global step.
     """
-    if hasattr(trainer.model, "reshard"):  # FSDP2
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(trainer.model, FSDPModule):
         return record_fsdp2(trainer)
     from deepspeed_hooks.export import RESIDUAL_KEY
     from deepspeed_hooks.served import served_weights
