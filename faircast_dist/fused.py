@@ -120,16 +120,18 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 CPU_CFLAGS = ("-O3", "-march=native", "-fopenmp")
 CPU_LDFLAGS = ("-fopenmp",)
-#: seconds to wait for another process's build lock before giving up on the CPU kernel
+#: seconds to wait for another process's build of the CPU kernel before giving up on it
 LOCK_WAIT_ENV, LOCK_WAIT_S = "FAIRCAST_BUILD_LOCK_WAIT_S", 600.0
 
 
 def cpu_build_key(source: bytes) -> str:
     """The CPU kernel's cache key: what makes one build differ from another.
 
-    The C++ source, the compiler flags, torch's and Python's versions and the host CPU's feature
-    flags (``-march=native``: nodes sharing a home directory may differ). Every checkout, branch
-    and venv with the same key shares one build; any difference gets a build of its own.
+    The C++ source, the compiler flags, torch's and Python's versions, torch's install folder
+    (the build's include paths: ninja rebuilds when they change, so two venvs sharing one build
+    would rebuild it over each other) and the host CPU's feature flags (``-march=native``: nodes
+    sharing a home directory may differ). Every checkout and branch with the same key shares one
+    build; any difference gets a build of its own.
     """
     import platform
     import sys
@@ -139,7 +141,7 @@ def cpu_build_key(source: bytes) -> str:
             cpu += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    parts = [source, repr((CPU_CFLAGS, CPU_LDFLAGS, torch.__version__, sys.version, cpu)).encode()]
+    parts = [source, repr((CPU_CFLAGS, CPU_LDFLAGS, torch.__version__, sys.version, os.path.dirname(torch.__file__), cpu)).encode()]
     return hashlib.sha1(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -148,9 +150,14 @@ def _cpu_module():
 
     The build lives in ``$TORCH_EXTENSIONS_DIR/faircast/<key>`` (default
     ``~/.cache/torch_extensions``), named by :func:`cpu_build_key` and compiled from a copy of the
-    source inside it, so checkouts with the same key never rebuild over each other. A build lock
-    left by a killed build is waited on for at most ``FAIRCAST_BUILD_LOCK_WAIT_S`` seconds (600),
-    then the reference casts are used, with a warning naming the lock file to delete.
+    source inside it, so checkouts with the same key never rebuild over each other.
+
+    Builders take turns on an ``flock`` of ``<build>/faircast.lock``, which the kernel releases
+    when its holder dies. torch's own ``<build>/lock`` (a plain file, which torch waits on forever)
+    is only ever held by the flock's holder, so one found by the next holder was left by a killed
+    build: it is removed, with a warning, and the build goes on. A live build is waited on for at
+    most ``FAIRCAST_BUILD_LOCK_WAIT_S`` seconds (600), then the reference casts are used, with a
+    warning.
     """
     if "module" not in _CPU:
         _CPU["module"] = None
@@ -167,29 +174,41 @@ def _cpu_module():
                 with open(f"{src}.{os.getpid()}", "wb") as f:
                     f.write(source)
                 os.replace(f"{src}.{os.getpid()}", src)
-            if not _wait_for_lock(os.path.join(build, "lock")):
-                return None
-            _CPU["module"] = load(name=f"faircast_fused_cast_cpu_{key}", sources=[src], build_directory=build,
-                                  extra_cflags=list(CPU_CFLAGS), extra_ldflags=list(CPU_LDFLAGS))
+            with open(os.path.join(build, "faircast.lock"), "a") as turn:
+                if not _take_turn(turn, build):
+                    return None
+                _CPU["module"] = load(name=f"faircast_fused_cast_cpu_{key}", sources=[src], build_directory=build,
+                                      extra_cflags=list(CPU_CFLAGS), extra_ldflags=list(CPU_LDFLAGS))
         except Exception as err:  # no compiler, no ninja, or a failed build: the reference still works
             warnings.warn(f"faircast: the fused CPU cast kernel could not be built ({type(err).__name__}: {err}); "
                           "falling back to the plain-torch reference casts (same bits, slower)", RuntimeWarning)
     return _CPU["module"]
 
 
-def _wait_for_lock(lock: str) -> bool:
-    """Wait until torch's build lock ``lock`` is gone (another process building); False, after a
-    warning, when it is still there after ``FAIRCAST_BUILD_LOCK_WAIT_S`` seconds."""
+def _take_turn(turn, build: str) -> bool:
+    """Hold an exclusive ``flock`` on the open file ``turn`` (released when the file is closed or
+    the process dies) and clear a torch build lock ``<build>/lock`` that no live build holds.
+    False, after a warning, when another process keeps the turn past ``FAIRCAST_BUILD_LOCK_WAIT_S``."""
+    import fcntl
     import time
     limit = float(os.environ.get(LOCK_WAIT_ENV, LOCK_WAIT_S))
     deadline = time.monotonic() + limit
-    while os.path.exists(lock):
-        if time.monotonic() >= deadline:
-            warnings.warn(f"faircast: the fused CPU kernel's build lock {lock} has been held for {limit:g} s "
-                          f"({LOCK_WAIT_ENV}); a build killed mid-way leaves it behind: delete it to rebuild. "
-                          "Falling back to the plain-torch reference casts (same bits, slower)", RuntimeWarning)
-            return False
-        time.sleep(0.5)
+    while True:
+        try:
+            fcntl.flock(turn.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                warnings.warn(f"faircast: another process has been building the fused CPU kernel in {build} "
+                              f"for {limit:g} s ({LOCK_WAIT_ENV}); falling back to the plain-torch reference "
+                              "casts (same bits, slower)", RuntimeWarning)
+                return False
+            time.sleep(0.5)
+    stale = os.path.join(build, "lock")
+    if os.path.exists(stale):
+        warnings.warn(f"faircast: removed {stale}, left by a build of the fused CPU kernel that was killed "
+                      "mid-way; rebuilding", RuntimeWarning)
+        os.remove(stale)
     return True
 
 

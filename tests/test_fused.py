@@ -343,10 +343,13 @@ def test_cpu_build_key_covers_source_flags_and_versions(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(fused, "CPU_CFLAGS", ("-O2",))
     assert fused.cpu_build_key(b"src") != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__file__", "/another/venv/torch/__init__.py")  # another venv's torch
+    assert fused.cpu_build_key(b"src") != key
 
 
-def test_a_stale_build_lock_is_a_bounded_wait_then_the_reference(monkeypatch, tmp_path):
-    """A lock left by a build killed mid-way: warned (naming the file) after the wait, not a hang."""
+def _empty_build_dir(monkeypatch, tmp_path):
+    """An empty kernel build folder under ``tmp_path``, with the fallback wait at 0.5 s."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv(fused.LOCK_WAIT_ENV, "0.5")
     monkeypatch.delenv(fused.BACKEND_ENV, raising=False)
@@ -354,9 +357,33 @@ def test_a_stale_build_lock_is_a_bounded_wait_then_the_reference(monkeypatch, tm
     with open(os.path.join(os.path.dirname(fused.__file__), "csrc", "fused_cast.cpp"), "rb") as f:
         build = tmp_path / "faircast" / fused.cpu_build_key(f.read())
     build.mkdir(parents=True)
+    return build
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_the_build_goes_on(monkeypatch, tmp_path):
+    """torch's ``lock`` left behind by a killed build (torch waits on it forever; every rank of
+    every later run did): removed with a warning naming it, then the kernel is built."""
+    import torch.utils.cpp_extension
+    build = _empty_build_dir(monkeypatch, tmp_path)
     (build / "lock").write_text("")
-    with pytest.warns(RuntimeWarning, match=f"build lock {build / 'lock'} has been held for 0.5 s"):
-        assert fused.resolve_backend(torch.device("cpu")) == "reference"
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda **kw: seen.append((build / "lock").exists()) or "kernel")
+    with pytest.warns(RuntimeWarning, match=f"removed {build / 'lock'}, left by a build .* killed"):
+        assert fused.resolve_backend(torch.device("cpu")) == "cpu"
+    assert seen == [False]
+
+
+def test_a_live_build_elsewhere_is_a_bounded_wait_then_the_reference(monkeypatch, tmp_path):
+    """Another process building (it holds the turn): waited on, then the reference, not a hang."""
+    import fcntl
+    build = _empty_build_dir(monkeypatch, tmp_path)
+    (build / "lock").write_text("")  # the live build's own torch lock: left alone
+    with open(build / "faircast.lock", "a") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+        with pytest.warns(RuntimeWarning, match=f"another process has been building .* in {build} for 0.5 s"):
+            assert fused.resolve_backend(torch.device("cpu")) == "reference"
+    assert (build / "lock").exists()
 
 
 @pytest.mark.slow
