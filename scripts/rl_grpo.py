@@ -1,8 +1,10 @@
 """The RL loop Fair Cast exists for: GRPO where a DeepSpeed trainer (fp32 master weights, bf16 model)
 exports its bf16 weights to a separate rollout engine that alone generates the training data.
-Arms (the export cast) are compared in seed pairs.
+Arms (the export cast) are compared in seed pairs, against the ``fp32`` oracle arm where it runs: the same
+GRPO with no bf16 anywhere (stock DeepSpeed without bf16, an fp32 rollout engine), the curve every cast
+should follow.
 
-    make rl                                                        # tiny model, 25 seed pairs
+    make rl                                                        # tiny model, 2 seed pairs, 5 arms
     torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py --pairs 25
     torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py --model smollm2 --pairs 1 --steps 2
 
@@ -31,8 +33,10 @@ the cast. Declared before running (the paper's claim is that round-to-nearest's 
 primary metric measures speed): the **primary score** of an arm in a pair is its mean held-out accuracy over
 all evals (step 0 included: the area under the learning curve); vs ``nearest`` it wins when ahead by at least
 ``--tie-band`` points, loses when behind by at least that, else ties; the mean gain over pairs comes with a
-95% paired bootstrap interval (10,000 resamples of the pairs, seed 0). The **secondary score** is the final
-one: the mean of the last ``--eval-last`` evals.
+95% paired bootstrap interval (10,000 resamples of the pairs, seed 0), and each cast's recovery of the
+oracle's gain, (arm - nearest) / (fp32 - nearest) on the mean primary scores, is reported when the oracle's
+gain is at least the tie band. The **secondary score** is the final one: the mean of the last
+``--eval-last`` evals.
 
 Per step (rank 0 writes ``steps.csv``): reward, held-out accuracy, served-vs-master log-prob gap and
 KL on the rollout tokens (master = the fp32 master at rollout time, in an fp32 copy of the model),
@@ -67,6 +71,8 @@ TINY = {**TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 1}
 ENGINES = ("vllm", "hf")
 EVAL_SEED = 1_000_003
 BASELINE = "nearest"
+ORACLE = "fp32"  # the arm served without rounding: fp32 trainer (no bf16 anywhere), fp32 rollout engine
+ARMS = (*METHODS, ORACLE)
 
 
 def parse_args(argv=None):
@@ -75,52 +81,63 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
                    help="tiny: a small byte-level Llama after a supervised warm start; smollm2: the bundled "
                         "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)")
-    p.add_argument("--arms", default="nearest,stochastic,error_feedback",
-                   help=f"comma-separated export casts, from {METHODS}; must include {BASELINE!r}")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma-separated arms, from {ARMS}; must include {BASELINE!r}. {ORACLE!r} is the oracle: "
+                        "the same run with no bf16 anywhere (fp32 DeepSpeed trainer, fp32 rollout engine), the "
+                        "curve every cast should follow")
     p.add_argument("--engine", choices=ENGINES, default="vllm" if importlib.util.find_spec("vllm") else "hf",
                    help="rollout engine: vllm (one vLLM engine on rank 0 samples every rank's rollouts; weights "
                         "through faircast_dist.vllm_receiver) or hf (a bf16 HF copy per rank, generate()) "
                         "[default: vllm where importable]")
     p.add_argument("--sync", choices=("full", "delta"), default="full",
                    help="weight sync after each optimizer step: full (served_weights) or delta (served_deltas: "
-                        "only the changed elements; vllm engine only)")
-    p.add_argument("--pairs", type=int, default=25, help="seed pairs (each runs every arm)")
+                        f"only the changed elements; vllm engine only; the {ORACLE} arm always syncs full)")
+    p.add_argument("--pairs", type=int, default=2, help="seed pairs (each runs every arm; the README's table: 25)")
     p.add_argument("--seed", type=int, default=0, help="pair p uses seed SEED + p")
+    p.add_argument("--init-seed", type=int, default=0,
+                   help="tiny: seed of the initial weights and the warm start's data (the same for every pair, so "
+                        "pairs split over launches with --seed start from the same policy)")
     p.add_argument("--steps", type=int, default=None,
-                   help="GRPO steps (rollout batches) per arm [default: 40 tiny, 20 smollm2]")
+                   help="GRPO steps (rollout batches) per arm [default: 300 tiny, 20 smollm2]")
     p.add_argument("--prompts", type=int, default=4, help="prompts per rank per step")
     p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--minibatches", type=int, default=1,
                    help="optimizer steps per rollout batch (each followed by a weight sync)")
     p.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate [default: 2e-5 tiny, 1e-6 smollm2]; the run prints the update it "
+                   help="AdamW learning rate [default: 3e-6 tiny (round-to-nearest then changes ~1.2%% of the served "
+                        "weights per step and lags 20-50 steps), 1e-6 smollm2]; the run prints the update it "
                         "gives in bf16 ulps (the paper's regime: 0.02-0.2 ulps per step)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion length cap [default: 4 tiny, 24 smollm2]")
-    p.add_argument("--eval-size", type=int, default=128, help="held-out problems (fixed set)")
-    p.add_argument("--eval-every", type=int, default=5, help="held-out eval every K steps (and at 0 and the end)")
+    p.add_argument("--eval-size", type=int, default=256, help="held-out problems (fixed set)")
+    p.add_argument("--eval-every", type=int, default=20, help="held-out eval every K steps (and at 0 and the end)")
     p.add_argument("--eval-last", type=int, default=3,
                    help="the secondary (final) score of an arm: mean of its last N evals")
     p.add_argument("--tie-band", type=float, default=1.0,
                    help="points within which an arm's primary score (mean held-out accuracy over all evals) ties "
                         "with nearest's in a pair (declared before running)")
-    p.add_argument("--warm-steps", type=int, default=180, help="tiny: supervised warm-start steps (0: none)")
+    p.add_argument("--warm-steps", type=int, default=400, help="tiny: supervised warm-start steps (0: none)")
     p.add_argument("--warm-lr", type=float, default=3e-3, help="tiny: warm-start AdamW learning rate")
     p.add_argument("--warm-batch", type=int, default=64, help="tiny: warm-start batch size")
     p.add_argument("--max-lag", type=int, default=100, help="K: past master samples kept for lag_steps")
     p.add_argument("--lag-sample", type=int, default=65536, help="elements sampled for lag_steps / gap_ulps")
-    p.add_argument("--out-dir", default="runs/rl", help="where steps.csv, summary.{csv,md} and curves.png go")
+    p.add_argument("--out-dir", default="runs/rl",
+                   help="where steps.csv, summary.{csv,md}, curves.png and args.json (the settings) go")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="train nothing: summarize finished runs' --out-dir folders into --out-dir, as one run of "
+                        "all their pairs (launches with the same settings but --seed / --pairs, e.g. 25 pairs in "
+                        "5 launches)")
     args = p.parse_args(argv)
     tiny = args.model == "tiny"
-    args.steps = args.steps if args.steps is not None else (40 if tiny else 20)
-    args.lr = args.lr if args.lr is not None else (2e-5 if tiny else 1e-6)
+    args.steps = args.steps if args.steps is not None else (300 if tiny else 20)
+    args.lr = args.lr if args.lr is not None else (3e-6 if tiny else 1e-6)
     args.max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (4 if tiny else 24)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in args.arms if a not in METHODS]
+    bad = [a for a in args.arms if a not in ARMS]
     if bad or BASELINE not in args.arms or len(set(args.arms)) != len(args.arms):
-        p.error(f"--arms {','.join(args.arms)}: each arm must be one of {METHODS}, once, and {BASELINE!r} "
+        p.error(f"--arms {','.join(args.arms)}: each arm must be one of {ARMS}, once, and {BASELINE!r} "
                 f"must be among them (unknown: {bad})")
     for name in ("pairs", "steps", "prompts", "group", "minibatches", "max_new_tokens", "eval_size", "eval_every",
                  "eval_last", "lag_sample", "warm_batch"):
@@ -201,11 +218,11 @@ def build_policy(args, task: Task, rank: int):
     if args.model == "smollm2":
         return AutoModelForCausalLM.from_pretrained(_smollm2_folder(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     cfg = LlamaConfig(**TINY, eos_token_id=task.eos, pad_token_id=task.pad, bos_token_id=None)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.init_seed)
     model = LlamaForCausalLM(cfg)
     if args.warm_steps == 0:
         return model
-    key = hashlib.sha256(json.dumps([TINY, TASK, args.seed, args.warm_steps, args.warm_lr,
+    key = hashlib.sha256(json.dumps([TINY, TASK, args.init_seed, args.warm_steps, args.warm_lr,
                                      args.warm_batch]).encode()).hexdigest()[:12]
     path = os.path.join(args.out_dir, f"warm_start_{key}.pt")
     if rank == 0 and not os.path.exists(path):
@@ -221,7 +238,7 @@ def build_policy(args, task: Task, rank: int):
 def warm_start(model, task: Task, args) -> None:
     """Supervised fp32 training on the task's answers (tiny model), so the reward starts above 0."""
     from tqdm import tqdm
-    data = task.problems(args.warm_steps * args.warm_batch, seed=args.seed + 7_777_777)
+    data = task.problems(args.warm_steps * args.warm_batch, seed=args.init_seed + 7_777_777)
     opt = torch.optim.AdamW(model.parameters(), lr=args.warm_lr, weight_decay=0.0)
     for s in tqdm(range(args.warm_steps), desc="warm start (supervised)"):
         pairs = [(task.prompt(e), task.completion(e)) for e in (data[i] for i in range(s * args.warm_batch,
@@ -240,18 +257,19 @@ class RolloutEngine:
     ``generate``; it gets weights only via load_weights.
 
     Args:
-        model: the policy (any dtype); deep-copied, its parameters cast to bf16 here (their values
+        model: the policy (any dtype); deep-copied, its parameters cast to ``dtype`` here (their values
             are replaced by the first :meth:`load_weights` anyway). Buffers keep their dtype, as in
             DeepSpeed's bf16 trainer (RoPE ``inv_freq`` stays fp32: rounded to bf16 it would shift
             every rotary phase and make the served policy a different function of the same weights).
         eos, pad: token ids.
+        dtype: the served weights' dtype: ``torch.bfloat16``, or ``torch.float32`` for the oracle arm.
     """
 
-    def __init__(self, model, eos: int, pad: int):
+    def __init__(self, model, eos: int, pad: int, dtype: torch.dtype = torch.bfloat16):
         from transformers import GenerationConfig
         self.model = copy.deepcopy(model).eval()
         for p in self.model.parameters():
-            p.data = p.data.to(torch.bfloat16)
+            p.data = p.data.to(dtype)
         # generate() fills every field our GenerationConfig leaves unset from the model's own
         # generation_config (a checkpoint's repetition_penalty, suppress_tokens, min_p, ...), which
         # would reshape the sampling distribution while the recorded log-probs stay the raw softmax
@@ -336,9 +354,11 @@ class VllmEngine:
     Args:
         model: the initial policy (fp32 ``LlamaForCausalLM``); eos, pad: token ids; out_dir: where the
             engine's model folder goes (one per engine).
+        dtype: the engine's dtype: ``"bfloat16"``, or ``"float32"`` for the oracle arm (the same bf16
+            model folder; every weight is replaced by the first sync).
     """
 
-    def __init__(self, model, eos: int, pad: int, out_dir: str, per_rank: bool = False):
+    def __init__(self, model, eos: int, pad: int, out_dir: str, per_rank: bool = False, dtype: str = "bfloat16"):
         self.eos, self.pad = eos, pad
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.collective = not per_rank
@@ -348,7 +368,7 @@ class VllmEngine:
             from faircast_dist.vllm_receiver import VllmReceiver
             from vllm import LLM
             path = save_checkpoint(model, os.path.join(out_dir, "engine_model"))
-            self.llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+            self.llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
                            max_model_len=1024, seed=0)
             self.receiver = VllmReceiver(self.llm)
         dist.barrier()
@@ -540,10 +560,12 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- one arm of one pair
 def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eval_set, bar=None) -> list[dict]:
     """Train one arm for ``args.steps`` GRPO steps from ``init_model`` (fp32, left unchanged), sampling with
-    ``rollout`` (its weights are replaced by the arm's first sync).
+    ``rollout`` (its weights are replaced by the arm's first sync; for the :data:`ORACLE` arm an fp32 engine,
+    trained by stock DeepSpeed without bf16).
 
     Rank 0 returns one record per step (and one for step 0, the first eval); other ranks return [].
     """
+    import deepspeed
     import deepspeed_hooks
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -554,18 +576,22 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
     config = {
         "train_micro_batch_size_per_gpu": batch // args.minibatches,
         "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": arm != ORACLE},
         # buckets of 5e7 elements (DeepSpeed's default 5e8 allocates GBs beside the model on CPU)
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
                                                   "torch_adam": True}},
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "export_cast": export_cast_config(arm, seed),
     }
-    engine, *_ = deepspeed_hooks.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if arm == ORACLE:  # stock DeepSpeed, fp32 params: the model computes with (and serves) the masters
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        config["export_cast"] = export_cast_config(arm, seed)
+        engine, *_ = deepspeed_hooks.initialize(model=model, model_parameters=model.parameters(), config=config)
     from faircast_dist.delta import DeltaTracker
-    tracker = DeltaTracker() if args.sync == "delta" else None  # the first delta sync sends every element
+    # the first delta sync sends every element; deltas are of bf16 bits (the oracle syncs full)
+    tracker = DeltaTracker() if args.sync == "delta" and arm != ORACLE else None
     sync_weights(engine, rollout, tracker)
     check_synced(engine, rollout, f"arm {arm}, seed {seed}, step 0")
     params = dict(engine.module.named_parameters())
@@ -649,7 +675,8 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
         if rank == 0:
             update = (master[lag.index] - previous_sample).abs() / bf16_spacing(previous_sample)
             row.update(reward=reward[0].item() / reward[1].item(),
-                       changed_pct=100.0 * (served_now.view(torch.int16) != previous_served.view(torch.int16)).float().mean().item(),
+                       master_sha=hashlib.sha256(master.numpy().tobytes()).hexdigest()[:16],
+                       changed_pct=100.0 * (_bits(served_now) != _bits(previous_served)).float().mean().item(),
                        lag_steps=lag.update(master[lag.index], served_now[lag.index]),
                        gap_ulps=gap_ulps(served_now[lag.index], master[lag.index]),
                        update_ulps=update[torch.isfinite(update)].median().item(),
@@ -741,13 +768,33 @@ def compare_arms(scores: dict[int, dict[str, float]], tie_band: float, baseline:
             for arm, d in out.items()}
 
 
-def lag_peak(records: list[dict], arm: str) -> float:
-    """The peak over steps of the arm's lag (steps), averaged over pairs (the step-0 row has no lag)."""
+def recovery(gain: float, oracle_gain: float, tie_band: float) -> float | None:
+    """The share of the oracle's gain over ``nearest`` that an arm recovers: ``gain / oracle_gain`` =
+    (arm - nearest) / (fp32 - nearest), on mean primary scores (points). 1: the arm learns as fast as the
+    unrounded policy; 0: no faster than round-to-nearest; < 0: slower.
+
+    Declared before running: None (not reported) when the oracle's mean gain is below ``tie_band`` (or
+    negative), since there is then no gain of the oracle's to recover.
+    """
+    return gain / oracle_gain if oracle_gain >= tie_band and oracle_gain > 0 else None
+
+
+def mean_curves(records: list[dict], arm: str, key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """``(steps, mean, 25th, 75th percentile)`` over pairs of ``key`` per step, for one arm (the
+    steps where the arm's rows have ``key``)."""
     by_step: dict[int, list[float]] = {}
     for r in records:
-        if r["arm"] == arm and r.get("lag_steps") is not None:
-            by_step.setdefault(r["step"], []).append(r["lag_steps"])
-    return max((sum(v) / len(v) for v in by_step.values()), default=float("nan"))
+        if r["arm"] == arm and r.get(key) is not None:
+            by_step.setdefault(r["step"], []).append(float(r[key]))
+    xs = sorted(by_step)
+    vals = [torch.tensor(by_step[x], dtype=torch.float64) for x in xs]
+    return (xs, [v.mean().item() for v in vals], [torch.quantile(v, 0.25).item() for v in vals],
+            [torch.quantile(v, 0.75).item() for v in vals])
+
+
+def lag_peak(records: list[dict], arm: str) -> float:
+    """The peak over steps of the arm's lag (steps), averaged over pairs (the step-0 row has no lag)."""
+    return max(mean_curves(records, arm, "lag_steps")[1], default=float("nan"))
 
 
 def summarize(records: list[dict], args, notes: list[str]) -> str:
@@ -756,9 +803,11 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "args.json"), "w") as f:
+        json.dump(vars(args), f, indent=1)
     fields = ["pair_seed", "arm", "step", "reward", "eval_acc", "logp_gap", "kl", "engine_dlogp", "engine_kl",
               "changed_pct", "lag_steps", "gap_ulps", "update_ulps", "step_ms", "sync_ms", "gen_ms", "gen_tokens",
-              "payload_bytes", "engine_bytes", "clip_frac", "rollout_sha"]
+              "payload_bytes", "engine_bytes", "clip_frac", "rollout_sha", "master_sha"]
     with open(os.path.join(args.out_dir, "steps.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -778,16 +827,20 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
           f"{args.eval_every} steps and step 0: the area under the learning curve), tie band +-{args.tie_band:g} "
           f"points vs {BASELINE}, gain with a 95% paired bootstrap interval; secondary = the final score, mean of "
           f"the last {args.eval_last} evals.", "",
-          "| arm | primary score (points) | gain vs nearest [95% CI] | W / T / L | final score | final gain | "
+          "| arm | primary score (points) | gain vs nearest [95% CI] | W / T / L | recovery of fp32's gain "
+          "| final score | final gain | "
           "reward (mean/step) | changed %/step | lag at end (steps) | lag peak (steps) | gap ulps | update ulps/step "
           "| \\|dlogp\\|/tok | KL/tok | trainer-engine \\|dlogp\\|/tok | trainer-engine KL/tok | "
           "sync KB/step (sent / into engine) | step ms | sync ms |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
+    oracle_gain = table[ORACLE]["mean_gain"] if ORACLE in table else None
     for arm in args.arms:
         t = table[arm]
         rows.append(dict(arm=arm, score=t["mean_score"], mean_gain=t["mean_gain"], gain_lo=t["gain_ci"][0],
                          gain_hi=t["gain_ci"][1], wins=t["wins"], ties=t["ties"], losses=t["losses"], pairs=t["pairs"],
+                         recovery=None if oracle_gain is None or arm in (BASELINE, ORACLE) else
+                         recovery(t["mean_gain"], oracle_gain, args.tie_band),
                          final_score=final[arm]["mean_score"], final_gain=final[arm]["mean_gain"],
                          reward=mean(arm, "reward"), changed_pct=mean(arm, "changed_pct"),
                          lag_end=mean(arm, "lag_steps", last), lag_peak=lag_peak(records, arm),
@@ -801,12 +854,21 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
         sync_kb = "-" if math.isnan(r["payload_kb"]) else f"{r['payload_kb']:.1f} / {r['engine_kb']:.1f}"
         gain = "-" if arm == BASELINE else f"{r['mean_gain']:+.2f} [{r['gain_lo']:+.2f}, {r['gain_hi']:+.2f}]"
         final_gain = "-" if arm == BASELINE else f"{r['final_gain']:+.2f}"
-        md.append(f"| {arm} | {r['score']:.2f} | {gain} | {wtl} | {r['final_score']:.2f} | {final_gain} | "
+        rec = "-" if oracle_gain is None or arm in (BASELINE, ORACLE) else \
+            "n/a" if r["recovery"] is None else f"{r['recovery']:.2f}"
+        md.append(f"| {arm} | {r['score']:.2f} | {gain} | {wtl} | {rec} | {r['final_score']:.2f} | {final_gain} | "
                   f"{r['reward']:.3f} | {r['changed_pct']:.3f} | {r['lag_end']:.1f} | {r['lag_peak']:.1f} | "
                   f"{r['gap_ulps']:.3f} | {r['update_ulps']:.3f} | "
                   f"{r['logp_gap']:.2e} | {r['kl']:.2e} | {r['engine_dlogp']:.2e} | {r['engine_kl']:.2e} | "
                   f"{sync_kb} | {r['step_ms']:.1f} | {r['sync_ms']:.1f} |")
-    md += [""] + notes
+    md += [""]
+    if oracle_gain is not None:
+        md.append(f"Recovery = (arm - nearest) / (fp32 - nearest) on the mean primary scores, the fp32 oracle's gain "
+                  f"being {oracle_gain:+.2f} points (declared: n/a when that is below the tie band, {args.tie_band:g}).")
+    xs, lag, _, _ = mean_curves(records, BASELINE, "lag_steps")
+    md.append("Round-to-nearest's lag curve (steps behind the master, mean over pairs) at step " + ", ".join(
+        f"{x}: {v:.1f}" for x, v in zip(xs, lag) if x % args.eval_every == 0 or x == args.steps) + ".")
+    md += notes
     with open(os.path.join(args.out_dir, "summary.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -814,31 +876,107 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
     text = "\n".join(md) + "\n"
     with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
         f.write(text)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (key, label) in zip(axes.flat, [("reward", "rollout reward (mean over pairs)"),
-                                            ("eval_acc", "held-out accuracy, served policy (points)"),
-                                            ("changed_pct", "% served weights changed per step"),
-                                            ("lag_steps", "lag of the served policy (steps)")]):
+    window = 10  # steps: the rollout reward's running mean (one step's 64 rollouts are noisy)
+    panels = [("eval_acc", "held-out accuracy, served policy (points)"),
+              ("reward", f"rollout reward ({window}-step running mean)"),
+              ("lag_steps", "lag of the served policy (steps behind the master)"),
+              ("changed_pct", "% of served weights changed per step")]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 12), sharex=True)
+    for ax, (key, label) in zip(axes, panels):
         for arm in args.arms:
-            by_step: dict[int, list[float]] = {}
-            for r in records:
-                if r["arm"] == arm and r.get(key) is not None:
-                    by_step.setdefault(r["step"], []).append(r[key])
-            xs = sorted(by_step)
-            ax.plot(xs, [sum(by_step[x]) / len(by_step[x]) for x in xs], marker=".", label=arm)
+            xs, mid, lo, hi = mean_curves(records, arm, key)
+            if key == "reward":
+                mid, lo, hi = ([sum(v[max(0, i - window + 1):i + 1]) / len(v[max(0, i - window + 1):i + 1])
+                                for i in range(len(v))] for v in (mid, lo, hi))
+            style = dict(color="black", linestyle="--") if arm == ORACLE else {}
+            line, = ax.plot(xs, mid, marker="." if key == "eval_acc" else None, label=arm, **style)
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
         ax.set_title(label)
-        ax.set_xlabel("step")
-    axes[0, 0].legend()
-    fig.suptitle(f"GRPO with Fair Cast export, {args.model}, {len(scores)} seed pairs")
+        if key == "changed_pct":
+            ax.set_yscale("log")
+    axes[0].legend(title="mean; band: 25-75% of pairs")
+    axes[-1].set_xlabel("GRPO step")
+    fig.suptitle(f"GRPO, {args.model}, {len(scores)} seed pairs, lr {args.lr:g}")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out_dir, "curves.png"), dpi=100)
     plt.close(fig)
     return text
 
 
+# ----------------------------------------------------------------------------- merging launches
+#: settings that may differ between launches merged into one summary (the pairs they ran)
+MERGE_FREE = ("seed", "pairs", "out_dir", "merge")
+_INTS = ("pair_seed", "step", "lag_steps", "gen_tokens", "payload_bytes", "engine_bytes")
+_STRS = ("arm", "rollout_sha", "master_sha")
+
+
+def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
+    """The records and settings of finished runs (each folder's ``steps.csv`` and ``args.json``), for one
+    summary over pairs split across launches.
+
+    Raises:
+        SystemExit: a folder without those files, a setting (other than :data:`MERGE_FREE`) that differs
+            between folders, or a pair seed run in two folders.
+    """
+    records, settings, seen = [], None, {}
+    for i, d in enumerate(dirs):
+        try:
+            with open(os.path.join(d, "args.json")) as f:
+                saved = json.load(f)
+            with open(os.path.join(d, "steps.csv"), newline="") as f:
+                rows = list(csv.DictReader(f))
+        except FileNotFoundError as err:
+            raise SystemExit(f"--merge {d}: not a finished run's folder ({err.filename} is missing)")
+        fixed = {k: v for k, v in saved.items() if k not in MERGE_FREE}
+        if settings is None:
+            settings, first = fixed, d
+        for k in sorted(set(settings) | set(fixed)):
+            if settings.get(k) != fixed.get(k):
+                raise SystemExit(f"--merge: {d} ran with {k}={fixed.get(k)!r}, {first} with {settings.get(k)!r}; "
+                                 f"only {', '.join(MERGE_FREE)} may differ")
+        for r in rows:
+            rec = {k: (None if v == "" else v if k in _STRS else int(v) if k in _INTS else float(v))
+                   for k, v in r.items()}
+            if seen.setdefault(rec["pair_seed"], i) != i:  # by position: the same folder twice counts too
+                raise SystemExit(f"--merge: pair seed {rec['pair_seed']} was run in both "
+                                 f"{dirs[seen[rec['pair_seed']]]} and {d}")
+            records.append(rec)
+    return records, settings
+
+
 # ----------------------------------------------------------------------------- main
+def run_notes(records: list[dict], args) -> list[str]:
+    """The lines under the summary table: the measured update size, the regime, the engine, the checks."""
+    updates = [r["update_ulps"] for r in records if r.get("update_ulps") is not None]
+    rtn = [r for r in records if r["arm"] == BASELINE and r.get("changed_pct") is not None]
+    return [f"Measured AdamW update: median {sorted(updates)[len(updates) // 2]:.3f} bf16 ulps per element per "
+            f"step (the paper's regime: 0.02-0.2).",
+            f"Regime: round-to-nearest changes {sum(r['changed_pct'] for r in rtn) / len(rtn):.2f}% of the served "
+            f"weights per step and its lag peaks at {lag_peak(records, BASELINE):.1f} steps (the paper's: "
+            f"0.4-0.5% per step, lag 50-150 steps).",
+            "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
+                                 else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps"),
+            f"Rollout engine: {'vLLM (one engine on rank 0 for all ranks)' if args.engine == 'vllm' else 'HF generate (a bf16 copy per rank)'}"
+            f"{f' (the {ORACLE} arm: an fp32 one of its own)' if ORACLE in args.arms else ''}"
+            f", {args.sync} weight sync; generation {sum(r['gen_tokens'] for r in records if r['step']) / max(1e-9, sum(r['gen_ms'] for r in records if r['step']) / 1e3):.0f} "
+            f"completion tokens/s (rollouts, all ranks).",
+            "Rollout engine == trainer bf16 model, bit for bit, after every sync: True (checked each step"
+            + (", read back from vLLM through its kernels)." if args.engine == "vllm" else ")."),
+            # the oracle's engine samples from other (unrounded) weights: its rollouts may differ
+            f"Step-1 rollouts identical across the cast arms within every pair: "
+            f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s and r['arm'] != ORACLE}) == 1 for s in {r['pair_seed'] for r in records})}"]
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.merge:
+        records, settings = load_runs(args.merge)
+        merged = argparse.Namespace(**{**settings, "out_dir": args.out_dir, "merge": args.merge,
+                                       "seed": min(r["pair_seed"] for r in records),
+                                       "pairs": len({r["pair_seed"] for r in records})})
+        print("\n" + summarize(records, merged, run_notes(records, merged)))
+        print(f"Wrote {os.path.abspath(args.out_dir)}/{{steps.csv,summary.csv,summary.md,curves.png}}")
+        return records
     import deepspeed
     from tqdm import tqdm
     # a long timeout: rank 0 alone runs the tiny model's warm start while the others wait
@@ -848,35 +986,22 @@ def main(argv=None) -> list[dict]:
     task = Task(args.model)
     init_model = build_policy(args, task, rank)
     eval_set = task.problems(args.eval_size, seed=EVAL_SEED)
-    # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights
-    rollout = VllmEngine(init_model, task.eos, task.pad, args.out_dir) if args.engine == "vllm" else \
-        RolloutEngine(init_model, task.eos, task.pad)
+    # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights; the oracle
+    # arm has an fp32 engine of its own
+    dtypes = {arm: "float32" if arm == ORACLE else "bfloat16" for arm in args.arms}
+    rollouts = {d: VllmEngine(init_model, task.eos, task.pad, args.out_dir, dtype=d) if args.engine == "vllm"
+                else RolloutEngine(init_model, task.eos, task.pad, dtype=getattr(torch, d))
+                for d in sorted(set(dtypes.values()))}
     records: list[dict] = []
     bar = tqdm(total=args.pairs * len(args.arms) * args.steps, desc="GRPO", disable=rank != 0)
     for pair in range(args.pairs):
         seed = args.seed + pair
         train_set = task.problems(args.steps * args.prompts * world, seed=seed)
         for arm in args.arms:
-            records += run_arm(args, task, init_model, rollout, arm, seed, train_set, eval_set, bar)
+            records += run_arm(args, task, init_model, rollouts[dtypes[arm]], arm, seed, train_set, eval_set, bar)
     bar.close()
     if rank == 0:
-        updates = [r["update_ulps"] for r in records if r.get("update_ulps") is not None]
-        rtn = [r for r in records if r["arm"] == BASELINE and r.get("changed_pct") is not None]
-        notes = [f"Measured AdamW update: median {sorted(updates)[len(updates) // 2]:.3f} bf16 ulps per element per "
-                 f"step (the paper's regime: 0.02-0.2).",
-                 f"Regime: round-to-nearest changes {sum(r['changed_pct'] for r in rtn) / len(rtn):.2f}% of the served "
-                 f"weights per step and its lag peaks at {lag_peak(records, BASELINE):.1f} steps (the paper's: "
-                 f"0.4-0.5% per step, lag 50-150 steps).",
-                 "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
-                                      else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps"),
-                 f"Rollout engine: {'vLLM (one engine on rank 0 for all ranks)' if args.engine == 'vllm' else 'HF generate (a bf16 copy per rank)'}"
-                 f", {args.sync} weight sync; generation {sum(r['gen_tokens'] for r in records if r['step']) / max(1e-9, sum(r['gen_ms'] for r in records if r['step']) / 1e3):.0f} "
-                 f"completion tokens/s (rollouts, all ranks).",
-                 "Rollout engine == trainer bf16 model, bit for bit, after every sync: True (checked each step"
-                 + (", read back from vLLM through its kernels)." if args.engine == "vllm" else ")."),
-                 f"Step-1 rollouts identical across arms within every pair: "
-                 f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s}) == 1 for s in {r['pair_seed'] for r in records})}"]
-        text = summarize(records, args, notes)
+        text = summarize(records, args, run_notes(records, args))
         print("\n" + text)
         print(f"Wrote {os.path.abspath(args.out_dir)}/{{steps.csv,summary.csv,summary.md,curves.png}}")
     dist.barrier()

@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import rl_grpo  # noqa: E402
 
-ARMS = ("nearest", "stochastic", "error_feedback")
+ARMS = ("nearest", "stochastic", "error_feedback", "fp32")
+CASTS = ARMS[:3]  # the arms served in bf16 (fp32: the oracle, served without rounding)
 
 
 def test_compare_arms_counts_wins_ties_losses_against_nearest_with_the_tie_band():
@@ -62,6 +63,25 @@ def test_paired_bootstrap_interval_of_the_mean_gain():
         rl_grpo.paired_bootstrap_ci([])
     with pytest.raises(ValueError, match="level"):
         rl_grpo.paired_bootstrap_ci(gains, level=1.0)
+
+
+def test_recovery_of_the_oracles_gain_and_its_declared_cut():
+    assert rl_grpo.recovery(1.5, 2.0, tie_band=1.0) == 0.75  # (arm - nearest) / (fp32 - nearest)
+    assert rl_grpo.recovery(-1.0, 2.0, tie_band=1.0) == -0.5  # slower than round-to-nearest
+    assert rl_grpo.recovery(3.0, 2.0, tie_band=1.0) == 1.5
+    assert rl_grpo.recovery(0.4, 0.5, tie_band=1.0) is None  # the oracle gains less than the band: nothing to recover
+    assert rl_grpo.recovery(0.4, -2.0, tie_band=0.0) is None and rl_grpo.recovery(0.0, 0.0, tie_band=0.0) is None
+    scores = {0: {"nearest": 40.0, "fp32": 44.0, "dithered": 43.0}, 1: {"nearest": 50.0, "fp32": 52.0, "dithered": 50.0}}
+    t = rl_grpo.compare_arms(scores, tie_band=1.0)
+    assert rl_grpo.recovery(t["dithered"]["mean_gain"], t["fp32"]["mean_gain"], 1.0) == pytest.approx(1.5 / 3.0)
+
+
+def test_mean_curves_give_the_mean_and_the_interquartile_band_over_pairs():
+    rows = [dict(pair_seed=s, arm="nearest", step=k, lag_steps=v) for s, k, v in
+            [(0, 1, 0), (1, 1, 4), (2, 1, 8), (3, 1, 12), (0, 2, 1), (1, 2, 1)]]
+    rows += [dict(pair_seed=0, arm="fp32", step=1, lag_steps=99), dict(pair_seed=0, arm="nearest", step=0)]
+    xs, mid, lo, hi = rl_grpo.mean_curves(rows, "nearest", "lag_steps")
+    assert xs == [1, 2] and mid == [6.0, 1.0] and lo == [3.0, 1.0] and hi == [9.0, 1.0]  # torch.quantile, linear
 
 
 def test_lag_peak_is_the_highest_mean_lag_over_pairs():
@@ -206,17 +226,30 @@ def _launch(script, tmp_path, *extra):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+_RUNS: dict = {}
+
+
+def _run(engine: str, tmp_path_factory):
+    """One launch of every arm on ``engine`` per test session: (out dir, process, steps.csv rows)."""
+    if engine not in _RUNS:
+        out = tmp_path_factory.mktemp(f"rl_{engine}")
+        proc = _launch(os.path.join(ROOT, "scripts", "rl_grpo.py"), out, "--engine", engine)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(out / "steps.csv") as f:
+            _RUNS[engine] = (out, proc, list(csv.DictReader(f)))
+    return _RUNS[engine]
+
+
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pair(tmp_path, engine):
-    proc = _launch(os.path.join(ROOT, "scripts", "rl_grpo.py"), tmp_path, "--engine", engine)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pair(tmp_path_factory, engine):
+    tmp_path, proc, rows = _run(engine, tmp_path_factory)
     assert "Rollout engine == trainer bf16 model, bit for bit, after every sync: True" in proc.stdout
-    with open(tmp_path / "steps.csv") as f:
-        rows = list(csv.DictReader(f))
     assert [(r["arm"], r["step"]) for r in rows] == [(a, str(s)) for a in ARMS for s in (0, 1, 2)]
-    first = {r["arm"]: r["rollout_sha"] for r in rows if r["step"] == "1"}
+    first = {r["arm"]: r["rollout_sha"] for r in rows if r["step"] == "1" and r["arm"] in CASTS}
     assert len(set(first.values())) == 1, first  # the arms differ only by the cast: same first rollouts
-    assert "Step-1 rollouts identical across arms within every pair: True" in proc.stdout
+    assert "Step-1 rollouts identical across the cast arms within every pair: True" in proc.stdout
+    oracle = [r for r in rows if r["arm"] == "fp32" and r["step"] != "0"]  # served = the master, unrounded
+    assert all(float(r["gap_ulps"]) == 0 and float(r["logp_gap"]) == 0 and r["lag_steps"] == "0" for r in oracle)
     for r in rows:
         if r["step"] != "0":
             assert 0 <= float(r["reward"]) <= 1 and float(r["kl"]) >= 0 and 0 <= float(r["changed_pct"]) <= 100
@@ -225,7 +258,9 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
     # (vLLM: ~1e-3; an off-by-one position or a stale tied head gives 0.1-10)
     assert all(0 <= float(r["engine_dlogp"]) < 0.02 for r in rows if r["step"] != "0")
     if engine == "vllm":  # a full sync sends every element once and rewrites each into the engine once
-        assert {r["payload_bytes"] for r in rows if r["step"] != "0"} == {r["engine_bytes"] for r in rows if r["step"] != "0"} == {str(2 * 90432)}
+        for arm, size in [*((a, 2) for a in CASTS), ("fp32", 4)]:  # bytes per element: bf16, fp32
+            sent = [r for r in rows if r["step"] != "0" and r["arm"] == arm]
+            assert {r["payload_bytes"] for r in sent} == {r["engine_bytes"] for r in sent} == {str(size * 90432)}
     for name in ("summary.csv", "summary.md", "curves.png"):
         assert os.path.getsize(tmp_path / name) > 100
     with open(tmp_path / "summary.csv") as f:
@@ -237,6 +272,23 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
     churn = sum(float(r["changed_pct"]) for r in nearest) / len(nearest)
     assert (f"Regime: round-to-nearest changes {churn:.2f}% of the served weights per step and its lag peaks at "
             f"{max(float(r['lag_steps']) for r in nearest):.1f} steps") in proc.stdout
+    assert (f"Round-to-nearest's lag curve (steps behind the master, mean over pairs) at step 1: "
+            f"{float(nearest[0]['lag_steps']):.1f}, 2: {float(nearest[1]['lag_steps']):.1f}.") in proc.stdout
+    assert "recovery" in summary[0] and "the fp32 oracle's gain being" in proc.stdout
+
+
+def test_the_oracle_arm_is_bitwise_deterministic_across_launches(tmp_path, tmp_path_factory):
+    """The fp32 arm (fp32 DeepSpeed trainer, fp32 vLLM engine) run again in another launch, beside other
+    arms: the same rollouts, rewards, held-out scores and master weights at every step."""
+    _, _, rows = _run("vllm", tmp_path_factory)
+    proc = _launch(os.path.join(ROOT, "scripts", "rl_grpo.py"), tmp_path, "--engine", "vllm", "--arms", "nearest,fp32")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "steps.csv") as f:
+        again = list(csv.DictReader(f))
+    keys = ("step", "rollout_sha", "master_sha", "reward", "eval_acc")
+    first = [tuple(r[k] for k in keys) for r in rows if r["arm"] == "fp32"]
+    assert len(first) == 3 and all(r[2] for r in first[1:])
+    assert first == [tuple(r[k] for k in keys) for r in again if r["arm"] == "fp32"]
 
 
 @pytest.mark.slow
@@ -271,3 +323,19 @@ def test_rl_loop_smoke_on_the_real_model(tmp_path):
     assert all(0 <= float(r["changed_pct"]) < 5 for r in trained if r["arm"] == "nearest")
     assert any(float(r["changed_pct"]) > 0 for r in trained)
     assert all(float(r["kl"]) >= 0 and float(r["logp_gap"]) >= 0 for r in trained)
+
+
+def test_merge_summarizes_launches_as_one_run_and_refuses_mixed_settings(tmp_path, tmp_path_factory):
+    """--merge: a finished run's folder summarized again gives its summary exactly (steps.csv read back
+    losslessly); folders run with other settings, or the same pair twice, are refused by name."""
+    hf, _, _ = _run("hf", tmp_path_factory)
+    vllm, _, _ = _run("vllm", tmp_path_factory)
+    rl_grpo.main(["--merge", str(hf), "--out-dir", str(tmp_path)])
+    assert (tmp_path / "summary.md").read_text() == (hf / "summary.md").read_text()
+    assert (tmp_path / "steps.csv").read_text() == (hf / "steps.csv").read_text()
+    with pytest.raises(SystemExit, match=r"ran with engine='vllm', .* with 'hf'"):
+        rl_grpo.load_runs([str(hf), str(vllm)])
+    with pytest.raises(SystemExit, match="pair seed 0 was run in both"):
+        rl_grpo.load_runs([str(hf), str(hf)])
+    with pytest.raises(SystemExit, match="not a finished run's folder"):
+        rl_grpo.load_runs([str(tmp_path / "nothing")])
