@@ -223,7 +223,7 @@ def _launch(script, tmp_path, *extra):
            # the masters (by ~1% = 1-3 bf16 ulps per step), so every cast serves new values each step
            "--lr", "1e-2", "--weight-decay", "1.0", "--eval-size", "8", "--eval-every", "1", "--out-dir", str(tmp_path), *extra]
     env = dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
 
 
 _RUNS: dict = {}
