@@ -240,6 +240,7 @@ def _run(engine: str, tmp_path_factory):
     return _RUNS[engine]
 
 
+@pytest.mark.timeout(1800)  # may run the shared launch (two vLLM engines)
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pair(tmp_path_factory, engine):
     tmp_path, proc, rows = _run(engine, tmp_path_factory)
@@ -277,6 +278,7 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
     assert "recovery" in summary[0] and "the fp32 oracle's gain being" in proc.stdout
 
 
+@pytest.mark.timeout(1800)  # may run the shared launch (two vLLM engines)
 def test_the_oracle_arm_is_bitwise_deterministic_across_launches(tmp_path, tmp_path_factory):
     """The fp32 arm (fp32 DeepSpeed trainer, fp32 vLLM engine) run again in another launch, beside other
     arms: the same rollouts, rewards, held-out scores and master weights at every step."""
@@ -325,6 +327,7 @@ def test_rl_loop_smoke_on_the_real_model(tmp_path):
     assert all(float(r["kl"]) >= 0 and float(r["logp_gap"]) >= 0 for r in trained)
 
 
+@pytest.mark.timeout(1800)  # may run the shared launch (two vLLM engines)
 def test_merge_summarizes_launches_as_one_run_and_refuses_mixed_settings(tmp_path, tmp_path_factory):
     """--merge: a finished run's folder summarized again gives its summary exactly (steps.csv read back
     losslessly); folders run with other settings, or the same pair twice, are refused by name."""
