@@ -18,6 +18,8 @@ export HF_HUB_OFFLINE := 1
 # plain file that a killed build leaves behind, and DeepSpeed's builds wait on it forever, so a fresh
 # venv must not share ~/.cache/torch_extensions with runs killed elsewhere.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+# Every pip install resolves to the versions in constraints.txt (the README's numbers depend on them).
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
 .PHONY: test demo demo-megatron rl venv clean gpu-wheels gpu-check-cpu
 

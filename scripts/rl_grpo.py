@@ -235,6 +235,18 @@ def build_policy(args, task: Task, rank: int):
     return model
 
 
+def state_sha(model) -> str:
+    """The first 16 hex digits of sha256 over ``model``'s state dict (names and bits, in order): the starting
+    policy's fingerprint. Written to ``args.json`` as ``init_sha``, so ``--merge`` refuses launches that
+    started from other weights: the same settings can train another warm start on other package versions
+    or CPU kernels (``constraints.txt`` pins the versions)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def warm_start(model, task: Task, args) -> None:
     """Supervised fp32 training on the task's answers (tiny model), so the reward starts above 0."""
     from tqdm import tqdm
@@ -797,6 +809,19 @@ def lag_peak(records: list[dict], arm: str) -> float:
     return max(mean_curves(records, arm, "lag_steps")[1], default=float("nan"))
 
 
+def reward_rise(records: list[dict], arm: str, window: int = 30) -> tuple[float, float, float]:
+    """How far the arm's rollout reward (mean per step, over pairs) rose: ``(first, last, share)`` with first
+    and last the means over its first and last ``window`` steps (at most half the run each) and share =
+    (last - first) / (1 - first), the part of its room (reward 1 = every completion right) it climbed.
+    NaNs when the arm has no rewarded steps."""
+    steps, curve, _, _ = mean_curves(records, arm, "reward")
+    if not steps:
+        return (float("nan"),) * 3
+    k = max(1, min(window, len(steps) // 2))
+    first, last = sum(curve[:k]) / k, sum(curve[-k:]) / k
+    return first, last, (last - first) / (1 - first) if first < 1 else float("nan")
+
+
 def summarize(records: list[dict], args, notes: list[str]) -> str:
     """Write steps.csv, summary.csv, summary.md and curves.png to ``args.out_dir``; return the Markdown."""
     import matplotlib
@@ -925,7 +950,7 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
                 saved = json.load(f)
             with open(os.path.join(d, "steps.csv"), newline="") as f:
                 rows = list(csv.DictReader(f))
-        except FileNotFoundError as err:
+        except (FileNotFoundError, NotADirectoryError) as err:  # a file, say, from a glob over a merged folder
             raise SystemExit(f"--merge {d}: not a finished run's folder ({err.filename} is missing)")
         fixed = {k: v for k, v in saved.items() if k not in MERGE_FREE}
         if settings is None:
@@ -955,7 +980,8 @@ def run_notes(records: list[dict], args) -> list[str]:
             f"weights per step and its lag peaks at {lag_peak(records, BASELINE):.1f} steps (the paper's: "
             f"0.4-0.5% per step, lag 50-150 steps).",
             "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
-                                 else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps"),
+                                 else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps")
+            + f" (state sha256 {getattr(args, 'init_sha', None)}).",
             f"Rollout engine: {'vLLM (one engine on rank 0 for all ranks)' if args.engine == 'vllm' else 'HF generate (a bf16 copy per rank)'}"
             f"{f' (the {ORACLE} arm: an fp32 one of its own)' if ORACLE in args.arms else ''}"
             f", {args.sync} weight sync; generation {sum(r['gen_tokens'] for r in records if r['step']) / max(1e-9, sum(r['gen_ms'] for r in records if r['step']) / 1e3):.0f} "
@@ -964,7 +990,9 @@ def run_notes(records: list[dict], args) -> list[str]:
             + (", read back from vLLM through its kernels)." if args.engine == "vllm" else ")."),
             # the oracle's engine samples from other (unrounded) weights: its rollouts may differ
             f"Step-1 rollouts identical across the cast arms within every pair: "
-            f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s and r['arm'] != ORACLE}) == 1 for s in {r['pair_seed'] for r in records})}"]
+            f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s and r['arm'] != ORACLE}) == 1 for s in {r['pair_seed'] for r in records})}",
+            *(f"Rollout reward of {arm}: {first:.3f} (first 30 steps) -> {last:.3f} (last 30), {share:+.2f} of its room"
+              for arm in (ORACLE, BASELINE) if arm in args.arms for first, last, share in [reward_rise(records, arm)])]
 
 
 def main(argv=None) -> list[dict]:
@@ -985,6 +1013,7 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(1)
     task = Task(args.model)
     init_model = build_policy(args, task, rank)
+    args.init_sha = state_sha(init_model)
     eval_set = task.problems(args.eval_size, seed=EVAL_SEED)
     # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights; the oracle
     # arm has an fp32 engine of its own

@@ -1,7 +1,10 @@
 """The GRPO loop (scripts/rl_grpo.py): its pieces on hand-made inputs, and the loop itself under
 torchrun (2 ranks, tiny random model, 2 steps per arm)."""
+import copy
 import csv
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -88,6 +91,28 @@ def test_lag_peak_is_the_highest_mean_lag_over_pairs():
     rows = [dict(pair_seed=s, arm="nearest", step=k, lag_steps=lag) for s, k, lag in
             [(0, 1, 1), (0, 2, 4), (0, 3, 2), (1, 1, 3), (1, 2, 0), (1, 3, 4)]] + [dict(pair_seed=0, arm="nearest", step=0)]
     assert rl_grpo.lag_peak(rows, "nearest") == 3.0  # step 3: (2 + 4) / 2
+
+
+def test_reward_rise_is_the_share_of_the_room_climbed():
+    rows = [dict(pair_seed=s, arm="fp32", step=k, reward=r) for s, k, r in
+            [(0, 1, 0.2), (0, 2, 0.4), (0, 3, 0.5), (0, 4, 0.6), (1, 1, 0.4), (1, 2, 0.4), (1, 3, 0.7), (1, 4, 0.8)]]
+    rows.append(dict(pair_seed=0, arm="fp32", step=0, eval_acc=50.0))  # the step-0 eval has no reward
+    first, last, share = rl_grpo.reward_rise(rows, "fp32", window=2)  # steps 1-2: 0.35, steps 3-4: 0.65
+    assert (first, last) == pytest.approx((0.35, 0.65)) and share == pytest.approx(0.30 / 0.65)
+    assert rl_grpo.reward_rise(rows, "fp32", window=30)[:2] == pytest.approx((0.35, 0.65))  # at most half each
+    assert all(x != x for x in rl_grpo.reward_rise(rows, "nearest"))  # no such arm: NaN
+
+
+def test_state_sha_is_the_starting_policys_fingerprint():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**rl_grpo.TINY))
+    sha = rl_grpo.state_sha(model)
+    assert len(sha) == 16 and rl_grpo.state_sha(copy.deepcopy(model)) == sha
+    with torch.no_grad():  # one bit of one weight
+        w = model.model.norm.weight
+        w.view(torch.int32)[3] ^= 1
+    assert rl_grpo.state_sha(model) != sha
 
 
 def test_group_advantages_and_clipped_loss():
@@ -340,5 +365,13 @@ def test_merge_summarizes_launches_as_one_run_and_refuses_mixed_settings(tmp_pat
         rl_grpo.load_runs([str(hf), str(vllm)])
     with pytest.raises(SystemExit, match="pair seed 0 was run in both"):
         rl_grpo.load_runs([str(hf), str(hf)])
+    other = tmp_path / "other_start"  # the same settings, another starting policy (other versions or kernels)
+    shutil.copytree(hf, other)
+    saved = json.loads((other / "args.json").read_text())
+    (other / "args.json").write_text(json.dumps({**saved, "init_sha": "0" * 16}))
+    with pytest.raises(SystemExit, match=f"ran with init_sha='{'0' * 16}', .* with '{saved['init_sha']}'"):
+        rl_grpo.load_runs([str(hf), str(other)])
     with pytest.raises(SystemExit, match="not a finished run's folder"):
         rl_grpo.load_runs([str(tmp_path / "nothing")])
+    with pytest.raises(SystemExit, match="not a finished run's folder"):  # `--merge runs/x/*` over a merged x
+        rl_grpo.load_runs([str(tmp_path / "steps.csv")])
