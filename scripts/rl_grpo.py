@@ -991,7 +991,8 @@ def run_notes(records: list[dict], args) -> list[str]:
             # the oracle's engine samples from other (unrounded) weights: its rollouts may differ
             f"Step-1 rollouts identical across the cast arms within every pair: "
             f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s and r['arm'] != ORACLE}) == 1 for s in {r['pair_seed'] for r in records})}",
-            *(f"Rollout reward of {arm}: {first:.3f} (first 30 steps) -> {last:.3f} (last 30), {share:+.2f} of its room"
+            *(f"Rollout reward of {arm}: {first:.3f} -> {last:.3f} (means of its first and last 30 steps, at most half "
+              f"the run each), {share:+.2f} of its room"
               for arm in (ORACLE, BASELINE) if arm in args.arms for first, last, share in [reward_rise(records, arm)])]
 
 
