@@ -14,8 +14,14 @@ and mpirun workers inherit the environment). With ``FAIRCAST_EXPORT_CAST`` set:
   moment DeepSpeed is imported, and a DeepSpeed config without an ``"export_cast"`` section gets
   the variable's (a config that has one keeps its own). Engines without an optimizer (reference,
   reward models) stay stock either way.
-* Megatron: ``megatron_patches.activate(config=<the variable's>)`` the moment
-  ``megatron.core.optimizer`` is imported (every optimizer ``get_megatron_optimizer`` builds).
+* Megatron: ``megatron_patches.activate()`` the moment ``megatron.core.optimizer`` is imported
+  (every optimizer ``get_megatron_optimizer`` builds). Its ``--export-cast*`` flags default to the
+  variable's config: a flag given on the command line wins, the parsed arguments Megatron-LM prints
+  are what runs, and a flag that differs from the variable is warned about. Without Megatron-LM's
+  parsed arguments (megatron-core code building its own optimizers) the variable is the config.
+
+One rule for every adapter: what the run's own configuration says explicitly (a DeepSpeed config's
+section, a Megatron flag on the command line) wins over the variable, which fills the rest.
 
 The value is the ``export_cast`` section as JSON, or a bare mode (``fair``). Unset, nothing is
 installed and start-up costs one environment lookup. Ray actors do not inherit the driver's

@@ -31,13 +31,17 @@ stock functions back.
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from typing import Optional
 
+import torch
+
 from faircast_dist import ExportCastConfig
+from faircast_dist.autoload import ENV, env_config
 from faircast_dist.wraps import Wraps
-from megatron_patches.args import add_export_cast_args, config_from_args, with_export_cast_args
-from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install, uninstall
+from megatron_patches.args import add_export_cast_args, config_from_args, disagreements, with_export_cast_args
+from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install, logger, uninstall
 from megatron_patches.telemetry import drift_metrics
 
 __all__ = ["activate", "deactivate", "install", "uninstall", "add_export_cast_args", "with_export_cast_args",
@@ -69,12 +73,30 @@ def _parsed_args():
 
 
 def _args_config() -> ExportCastConfig:
-    args = _parsed_args()
-    if args is None:
+    """The config that runs when :func:`activate` was given none: Megatron-LM's parsed ``--export-cast*``
+    arguments, whose defaults are ``FAIRCAST_EXPORT_CAST``'s config where it is set
+    (:func:`faircast_dist.autoload.env_config`): a flag given on the command line wins, and one that
+    differs from the variable is one warning on rank 0 naming both values. Without parsed arguments
+    that carry the flags (megatron-core code that builds its optimizers itself), the variable's config.
+
+    Raises:
+        RuntimeError: neither parsed arguments nor the variable.
+        ValueError: a bad flag value or precision setting (:func:`config_from_args`).
+    """
+    args, env = _parsed_args(), env_config()
+    if args is None or (env is not None and not hasattr(args, "export_cast")):
+        if env is not None:
+            return env
         raise RuntimeError("megatron_patches.activate() without a config reads Megatron-LM's parsed arguments "
                            "(megatron.training.get_args()), which this process does not have; pass "
                            "activate(config=...) instead")
-    return config_from_args(args)
+    config = config_from_args(args)
+    differ = disagreements(args, env) if env is not None else []
+    if differ and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        logger.warning("Fair Cast: the command line overrides %s=%s: %s; the run casts %s (seed %s), as the "
+                       "arguments say", ENV, json.dumps(env.to_dict()), "; ".join(differ),
+                       config.effective_method, config.seed)
+    return config
 
 
 def _args_iteration():
@@ -108,7 +130,8 @@ def activate(config: Optional[ExportCastConfig] = None, telemetry: Optional[bool
 
     Args:
         config: the export-cast config to use; None reads ``megatron.training.get_args()`` at
-            optimizer build time.
+            optimizer build time, whose ``--export-cast*`` flags default to ``FAIRCAST_EXPORT_CAST``
+            where it is set (what the command line gives wins; see :func:`_args_config`).
         telemetry: measure drift telemetry; None decides from the parsed arguments at optimizer
             build time (:func:`megatron_patches.telemetry.logging_on`; False without
             ``megatron.training``).
@@ -160,10 +183,11 @@ def deactivate() -> None:
 
 
 def _adds_export_cast_args(original_add):
-    """``add_megatron_arguments``: then :func:`add_export_cast_args`."""
+    """``add_megatron_arguments``: then :func:`add_export_cast_args`, the flags defaulting to
+    ``FAIRCAST_EXPORT_CAST``'s config where it is set."""
     @functools.wraps(original_add)
     def add_megatron_arguments(parser, *args, **kwargs):
-        return add_export_cast_args(original_add(parser, *args, **kwargs))
+        return add_export_cast_args(original_add(parser, *args, **kwargs), env_config())
     return add_megatron_arguments
 
 

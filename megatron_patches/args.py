@@ -3,7 +3,12 @@
     --export-cast {nearest,fair}                     default nearest (stock round to nearest)
     --export-cast-method {stochastic,error-feedback,dithered} default stochastic
     --export-cast-seed INT                           default 1234
+    --export-cast-residual-dtype {float32,bfloat16}  default float32 (error feedback's residual)
     --[no-]export-cast-telemetry                     default on (with --tensorboard-dir / --wandb-project)
+
+Under ``faircast-run`` the defaults of the first four are ``FAIRCAST_EXPORT_CAST``'s: a flag given on
+the command line wins, the variable fills what the command line leaves unset, and the parsed
+``args`` (what Megatron-LM prints) are the config that runs.
 """
 from __future__ import annotations
 
@@ -11,33 +16,47 @@ import argparse
 from typing import Callable, Optional
 
 from faircast_dist import ExportCastConfig
-from faircast_dist.config import ConfigError
+from faircast_dist.config import METHODS, RESIDUAL_DTYPES, ConfigError
 
 GROUP_TITLE = "export cast (Fair Cast)"
+FLAG_METHODS = tuple(m.replace("_", "-") for m in METHODS)  # the flag spells error_feedback error-feedback
+FLAGS = {"mode": "--export-cast", "method": "--export-cast-method", "seed": "--export-cast-seed",
+         "residual_dtype": "--export-cast-residual-dtype"}  # ExportCastConfig field -> its flag
 
 
-def add_export_cast_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_export_cast_args(parser: argparse.ArgumentParser,
+                         defaults: Optional[ExportCastConfig] = None) -> argparse.ArgumentParser:
     """Add the ``--export-cast*`` group to ``parser``; an ``extra_args_provider`` itself.
 
     Idempotent: a parser that already has ``--export-cast`` is returned unchanged.
+
+    Args:
+        parser: Megatron-LM's argument parser.
+        defaults: what the flags default to (``faircast-run`` passes ``FAIRCAST_EXPORT_CAST``'s
+            config); None: :class:`ExportCastConfig`'s defaults (stock round to nearest).
 
     Returns:
         ``parser`` (Megatron-LM's providers return the parser).
     """
     if "--export-cast" in parser._option_string_actions:
         return parser
+    defaults = defaults or ExportCastConfig()
     group = parser.add_argument_group(title=GROUP_TITLE)
-    group.add_argument("--export-cast", choices=["nearest", "fair"], default="nearest",
+    group.add_argument("--export-cast", choices=["nearest", "fair"], default=defaults.mode,
                        help="How the fp32 master weights are cast to the bf16 model weights: "
                             "'nearest' (stock round to nearest) or 'fair' (Fair Cast).")
-    group.add_argument("--export-cast-method", choices=["stochastic", "error-feedback", "dithered"],
-                       default="stochastic",
+    group.add_argument("--export-cast-method", choices=list(FLAG_METHODS),
+                       default=defaults.method.replace("_", "-"),
                        help="With --export-cast fair: stochastic rounding (stateless), error "
                             "feedback (a residual per element, kept in the optimizer checkpoint) or "
                             "dithered rounding (stochastic rounding with a per-element dither fixed "
                             "across exports: stateless, few served weights change per step).")
-    group.add_argument("--export-cast-seed", type=int, default=1234,
+    group.add_argument("--export-cast-seed", type=int, default=defaults.seed,
                        help="Seed of the stochastic / dithered rounding random bits (int64).")
+    group.add_argument("--export-cast-residual-dtype", choices=list(RESIDUAL_DTYPES),
+                       default=defaults.residual_dtype,
+                       help="With --export-cast-method error-feedback: the residual's dtype (bfloat16 "
+                            "halves its memory and rounds the residual itself).")
     group.add_argument("--export-cast-telemetry", action=argparse.BooleanOptionalAction, default=True,
                        help="With --export-cast fair and --tensorboard-dir or --wandb-project: log "
                             "export-cast/{changed-fraction,lag-steps,gap-ulps,export-ms} at every "
@@ -71,15 +90,33 @@ def config_from_args(args) -> ExportCastConfig:
         ValueError: a bad value (naming the flag), or ``fair`` with ``--fp16``, without
             ``--bf16``, or with ``--use-precision-aware-optimizer``.
     """
-    mode = getattr(args, "export_cast", "nearest")
-    method = getattr(args, "export_cast_method", "stochastic")
-    seed = getattr(args, "export_cast_seed", 1234)
     try:
-        config = ExportCastConfig(mode=mode, method=method, seed=seed)
+        config = ExportCastConfig(**_values(args))
     except ConfigError as err:
-        flag = {"mode": "--export-cast", "method": "--export-cast-method", "seed": "--export-cast-seed"}
-        raise ValueError(f"{flag.get(err.field, '--export-cast')}: {err}") from None
+        raise ValueError(f"{FLAGS.get(err.field, '--export-cast')}: {err}") from None
     if config.enabled:
         from megatron_patches.optimizer import check_config
         check_config(args, where="the arguments")
     return config
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _values(args) -> dict:
+    """``{ExportCastConfig field: value}`` of the flags in ``args`` (absent flags: the defaults)."""
+    default = ExportCastConfig()
+    values = {field: getattr(args, _dest(flag), getattr(default, field)) for field, flag in FLAGS.items()}
+    if isinstance(values["method"], str):
+        values["method"] = values["method"].replace("-", "_")
+    return values
+
+
+def disagreements(args, defaults: ExportCastConfig) -> list[str]:
+    """Where the parsed ``args`` differ from ``defaults`` (what the flags defaulted to, so a
+    difference is a flag given on the command line): ``"--flag VALUE (command line) over FIELD
+    VALUE"`` items, in flag order; ``[]`` when they agree."""
+    values = _values(args)
+    return [f"{flag} {getattr(args, _dest(flag))} (command line) over {field} {getattr(defaults, field)!s}"
+            for field, flag in FLAGS.items() if values[field] != getattr(defaults, field)]

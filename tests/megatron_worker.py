@@ -424,7 +424,10 @@ def _run_job(tp, pp, job: dict) -> dict:
     load/save (dir) + sharding (+ fresh_metadata), set_state (seed) + exports (export-only count), fp16,
     reload (call reload_model_params at the end), param_buffer (compare the two copy paths),
     rebuild_after (step numbers after which the bf16 model is offloaded and rebuilt from the masters),
-    moe (a MoE GPT: :data:`MOE` overrides; EP / expert TP as the launch's ``run(..., ep=, etp=)``)."""
+    moe (a MoE GPT: :data:`MOE` overrides; EP / expert TP as the launch's ``run(..., ep=, etp=)``),
+    megatron_lm (the argv of the stand-in Megatron-LM's ``parse_args``; ``args`` records the parsed
+    ``export_cast*``), env (``FAIRCAST_EXPORT_CAST`` during the job). ``export_cast`` is what the
+    reference cast uses: the config the job must run."""
     from faircast_dist import ExportCastConfig
     config = ExportCastConfig.from_value(job.get("export_cast"))
     ef = config.effective_method == "error_feedback"
@@ -511,6 +514,7 @@ def _run_job(tp, pp, job: dict) -> dict:
             record["saved_step"] = [e.caster.step for e in exports(optimizer)]
     if "megatron_lm" in job:
         record["written"] = list(lm.written)
+        record["args"] = {k: v for k, v in vars(lm.global_vars.get_args()).items() if k.startswith("export_cast")}
     if job.get("param_buffer"):
         record["param_buffer"] = _compare_copy_paths(model, optimizer)
     if job.get("reload"):
@@ -534,20 +538,16 @@ _STANDIN = []  # one set of Megatron-LM stand-ins per process, as Megatron-LM ha
 def megatron_lm_standin(argv: list[str]):
     """The Megatron-LM stand-ins (``megatron_lm_standin.py``), with ``get_args()`` parsing ``argv``
     and an empty writers' record."""
-    import sys
 
-    import megatron
-    from megatron_lm_standin import modules
+    from megatron_lm_standin import modules, parse
     if not _STANDIN:
-        _STANDIN.append(modules())
-        sys.modules.update(_STANDIN[0].sys_modules)
-        megatron.training = _STANDIN[0].package
+        _STANDIN.append(modules(register=True))
     fake = _STANDIN[0]
     parsed = []
 
     def get_args():  # parsed at the first call, after activate() added --export-cast*, then kept (as Megatron-LM's)
         if not parsed:
-            parsed.append(fake.arguments.parse_args(None, argv))
+            parsed.append(parse(fake, argv))
         return parsed[0]
     fake.global_vars.get_args = get_args
     fake.written.clear()
@@ -607,6 +607,21 @@ def logged_warnings():
         log.removeHandler(handler)
 
 
+@contextlib.contextmanager
+def environment(export_cast: str | None):
+    """``FAIRCAST_EXPORT_CAST`` = ``export_cast`` meanwhile, as ``faircast-run`` sets it (None: unset)."""
+    from faircast_dist.autoload import ENV
+    saved = os.environ.pop(ENV, None)
+    if export_cast is not None:
+        os.environ[ENV] = export_cast
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV, None)
+        if saved is not None:
+            os.environ[ENV] = saved
+
+
 def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=None, vpp=None, cp=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -622,7 +637,7 @@ def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=N
     records = {}
     try:
         for name, job in jobs.items():
-            with logged_warnings() as warnings:
+            with logged_warnings() as warnings, environment(job.get("env")):
                 records[name] = _run_job(tp, pp, job)
             records[name]["warnings"] = warnings
             torch.distributed.barrier()

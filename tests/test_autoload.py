@@ -17,8 +17,10 @@ FAIRCAST_RUN = os.path.join(os.path.dirname(sys.executable), "faircast-run")
 SR7 = '{"mode": "fair", "method": "stochastic", "seed": 7}'
 
 
-def launch(code: str, export_cast: str | None, extra_path: str | None = None, timeout: int = 600):
-    """``faircast-run python -c code`` (``export_cast`` None: the start-up hook on the path, no variable)."""
+def launch(code: str, export_cast: str | None, extra_path: str | None = None, timeout: int = 600,
+           stderr: bool = False):
+    """``faircast-run python -c code`` (``export_cast`` None: the start-up hook on the path, no variable);
+    its stdout (and stderr, with ``stderr``)."""
     env = {k: v for k, v in os.environ.items() if k != autoload.ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, TESTS) if p)
     if export_cast is None:
@@ -29,7 +31,7 @@ def launch(code: str, export_cast: str | None, extra_path: str | None = None, ti
     out = subprocess.run(cmd, env=env, cwd=TESTS, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Error in sitecustomize" not in out.stderr, out.stderr[-3000:]
-    return out.stdout
+    return (out.stdout, out.stderr) if stderr else out.stdout
 
 
 def test_env_config_takes_json_or_a_mode_and_names_the_variable(monkeypatch):
@@ -73,8 +75,32 @@ def test_faircast_run_activates_megatron_before_its_function_is_bound_by_name():
     """verl binds ``get_megatron_optimizer`` under another name at import: it gets the wrapper."""
     code = ("from megatron.core.optimizer import get_megatron_optimizer as native; "
             "import megatron_patches; print('RESULT', getattr(native, '_faircast', False), "
-            "megatron_patches._ACTIVE.config.method)")
+            "megatron_patches._args_config().method)")
     assert "RESULT True stochastic" in launch(code, SR7)
+
+
+def test_faircast_run_under_megatron_lms_arguments_runs_what_the_command_line_says():
+    """faircast-run's own hook, Megatron-LM's order (``megatron.training`` importable before
+    ``megatron.core.optimizer`` is first imported) and its ``parse_args`` reading ``sys.argv``:
+    the flags given win over the variable, the parsed arguments show what runs, and rank 0 warns once."""
+    code = ("import sys, megatron_lm_standin; fake = megatron_lm_standin.modules(register=True); import megatron_patches; "
+            "sys.argv = ['pretrain_gpt.py', '--bf16', '--export-cast', 'fair', '--export-cast-method', 'error-feedback']; "
+            "args = fake.arguments.parse_args(); fake.global_vars.get_args = lambda: args; "
+            "print('ARGS', args.export_cast, args.export_cast_method, args.export_cast_seed); "
+            "c = megatron_patches._args_config(); print('RUNS', c.mode, c.method, c.seed)")
+    out, err = launch(code, SR7, stderr=True)
+    assert "ARGS fair error-feedback 7" in out and "RUNS fair error_feedback 7" in out, out
+    assert err.count("command line overrides FAIRCAST_EXPORT_CAST=") == 1, err
+    assert "--export-cast-method error-feedback (command line) over method stochastic" in err, err
+
+
+def test_a_script_that_imports_the_adapters_first_is_turned_on():
+    """``import deepspeed_hooks`` / ``import megatron_patches`` before the framework (the one-line
+    activation's scripts, under faircast-run): the framework is first imported from inside the
+    half-defined adapter, which is turned on once it is whole (it was an AttributeError at start-up)."""
+    code = ("import deepspeed_hooks, megatron_patches, deepspeed; "
+            "print('RESULT', deepspeed.initialize is deepspeed_hooks.initialize, megatron_patches._ACTIVE is not None)")
+    assert "RESULT True True" in launch(code, SR7)
 
 
 def test_without_the_variable_nothing_is_installed_and_a_shadowed_sitecustomize_still_runs(tmp_path):

@@ -123,6 +123,7 @@ def _jobs(layout):
                                    megatron_lm=lm + ["--tensorboard-dir", "tb", "--no-export-cast-telemetry"])
         jobs["lm_model_only_load"] = dict(how="megatron_lm", export_cast=SR, steps=2, first=5, model_only_load=5,
                                           megatron_lm=lm)
+        jobs.update(ENV_JOBS)
     if layout in VIRTUAL_PIPELINE:  # a checkpoint of the two-chunk model, resumed by a later job of the launch
         jobs["vpp_ef"] = dict(export_cast=EF, distopt=True, steps=STEPS, save=CKPT["vpp_ef"], save_after=SAVE_AFTER,
                               sharding="dp_reshardable")
@@ -333,6 +334,42 @@ def test_a_model_only_load_continues_the_export_step_from_megatron_lms_iteration
     record = layout_run((1, 1, 2, True))["lm_model_only_load"]
     assert "error" not in record, record.get("error")
     assert record["export_steps"] == [5, 6] and record["mismatch"] == 0
+
+
+# -- FAIRCAST_EXPORT_CAST under Megatron-LM's arguments (faircast-run): the command line wins ---------
+ENV_JOBS = {  # in the (1, 1, 2, True) launch; export_cast: what must run (the reference cast's config)
+    "env_and_flags": dict(how="megatron_lm", env='{"mode": "fair", "method": "stochastic", "seed": 1234}',
+                          megatron_lm=["--bf16", "--export-cast", "fair", "--export-cast-method", "error-feedback",
+                                       "--export-cast-seed", "7"],
+                          export_cast={"mode": "fair", "method": "error_feedback", "seed": 7}, steps=2),
+    "env_alone": dict(how="megatron_lm", env='{"mode": "fair", "method": "dithered", "seed": 5}',
+                      megatron_lm=["--bf16"], export_cast={"mode": "fair", "method": "dithered", "seed": 5}, steps=2),
+    "env_nearest_flags_fair": dict(how="megatron_lm", env='{"mode": "nearest"}',
+                                   megatron_lm=["--bf16", "--export-cast", "fair"],
+                                   export_cast={"mode": "fair", "method": "stochastic", "seed": 1234}, steps=2),
+}
+
+
+def test_the_command_line_wins_over_the_variable_and_the_arguments_say_what_runs():
+    """Under ``faircast-run`` (``FAIRCAST_EXPORT_CAST`` set) with Megatron-LM's argument parsing: flags
+    given on the command line run and the parsed ``args`` show them; the variable fills what the command
+    line leaves unset; a flag that differs from the variable is one warning naming both values."""
+    records = layout_run((1, 1, 2, True))
+    for name, job in ENV_JOBS.items():
+        record, want = records[name], job["export_cast"]
+        assert "error" not in record, (name, record.get("error"))
+        assert record["installed"] == ["DistributedOptimizer"], name  # the nearest variable's run casts too
+        assert record["mismatch"] == 0 and record["rtn_differs"] > 0, name  # every element the config's cast
+        args = record["args"]
+        assert (args["export_cast"], args["export_cast_method"].replace("-", "_"), args["export_cast_seed"]) == \
+            (want["mode"], want["method"], want["seed"]), (name, args)
+        assert f"uses {want['method']} (seed {want['seed']})" in record["printed"], name
+    overridden = [w for w in records["env_and_flags"]["warnings"] if "command line overrides" in w]
+    assert len(overridden) == 1, records["env_and_flags"]["warnings"]
+    assert ("--export-cast-method error-feedback (command line) over method stochastic" in overridden[0] and
+            "--export-cast-seed 7 (command line) over seed 1234" in overridden[0]), overridden
+    assert [w for w in records["env_nearest_flags_fair"]["warnings"] if "command line overrides" in w] != []
+    assert not [w for w in records["env_alone"]["warnings"] if "command line" in w]
 
 
 # -- production flags (Megatron-LM's training-loop set-up) --------------------------------------------

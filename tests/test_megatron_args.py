@@ -7,6 +7,8 @@ import pytest
 
 import megatron_patches
 from faircast_dist import ExportCastConfig
+from faircast_dist.autoload import ENV
+from megatron_lm_standin import parse
 from megatron_patches import add_export_cast_args, check_config, config_from_args, with_export_cast_args
 
 
@@ -106,19 +108,19 @@ def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_
     megatron_patches.activate()
     megatron_patches.activate()  # idempotent
     # the script's own provider still works, and the flags parse without it
-    args = fake.arguments.parse_args(None, ["--bf16", "--export-cast", "fair", "--export-cast-seed", "9"])
+    args = parse(fake, ["--bf16", "--export-cast", "fair", "--export-cast-seed", "9"])
     assert (args.export_cast, args.export_cast_seed) == ("fair", 9)
-    args = fake.arguments.parse_args(with_export_cast_args(), ["--export-cast", "fair"])
+    args = parse(fake, ["--export-cast", "fair"], with_export_cast_args())
     assert args.export_cast == "fair"
     for module in (fake.core_optimizer, fake.training):
         assert module.get_megatron_optimizer is not original
         assert module.get_megatron_optimizer.__wrapped__ is original
     assert fake.training.training_log._faircast and not hasattr(fake.training.training_log.__wrapped__, "_faircast")
     # the wrapper reads the parsed arguments at optimizer build time
-    fake.global_vars.get_args = lambda: fake.arguments.parse_args(
-        None, ["--bf16", "--export-cast", "fair", "--export-cast-method", "error-feedback"])
+    fake.global_vars.get_args = lambda: parse(
+        fake, ["--bf16", "--export-cast", "fair", "--export-cast-method", "error-feedback"])
     assert megatron_patches._args_config() == ExportCastConfig(mode="fair", method="error_feedback")
-    fake.global_vars.get_args = lambda: fake.arguments.parse_args(None, ["--export-cast", "fair"])
+    fake.global_vars.get_args = lambda: parse(fake, ["--export-cast", "fair"])
     with pytest.raises(ValueError, match="--bf16"):
         megatron_patches._args_config()
 
@@ -128,6 +130,49 @@ def test_activate_adds_the_flags_and_wraps_get_megatron_optimizer(fake_megatron_
     assert megatron_patches._args_telemetry() is False and megatron_patches._args_iteration() is None
     with pytest.raises(RuntimeError, match="activate\\(config=...\\)"):
         megatron_patches._args_config()
+
+
+@pytest.mark.parametrize("variable,argv,want,overridden", [
+    # the command line wins over the variable, which fills what the command line leaves unset
+    ('{"mode": "fair", "method": "stochastic", "seed": 1234, "residual_dtype": "bfloat16"}',
+     ["--export-cast-method", "error-feedback", "--export-cast-seed", "7"],
+     ExportCastConfig(mode="fair", method="error_feedback", seed=7, residual_dtype="bfloat16"),
+     ["--export-cast-method error-feedback (command line) over method stochastic",
+      "--export-cast-seed 7 (command line) over seed 1234"]),
+    ('{"mode": "fair", "method": "dithered", "seed": 5}', [], ExportCastConfig(mode="fair", method="dithered", seed=5), []),
+    ("nearest", ["--export-cast", "fair"], ExportCastConfig(mode="fair"), ["--export-cast fair (command line) over mode nearest"]),
+    ("fair", ["--export-cast", "fair", "--export-cast-seed", "1234"], ExportCastConfig(mode="fair"), []),  # agrees
+    (None, ["--export-cast", "fair", "--export-cast-residual-dtype", "bfloat16"],
+     ExportCastConfig(mode="fair", residual_dtype="bfloat16"), []),  # no variable: nothing to disagree with
+])
+def test_flags_default_to_the_variable_and_the_command_line_wins(fake_megatron_training, monkeypatch, caplog,
+                                                                variable, argv, want, overridden):
+    """What runs is what Megatron-LM's parsed arguments say; a flag that differs from
+    FAIRCAST_EXPORT_CAST is one warning naming both values."""
+    fake = fake_megatron_training
+    if variable is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, variable)
+    megatron_patches.activate()  # as faircast-run's start-up hook does
+    args = parse(fake, ["--bf16", *argv])
+    assert config_from_args(args) == want  # the arguments are the config...
+    fake.global_vars.get_args = lambda: args
+    with caplog.at_level("WARNING", logger="megatron_patches"):
+        assert megatron_patches._args_config() == want  # ...that runs
+    warned = [r.getMessage() for r in caplog.records if "command line overrides" in r.getMessage()]
+    assert len(warned) == (1 if overridden else 0), warned
+    for item in overridden:
+        assert item in warned[0] and f"{ENV}=" in warned[0], warned
+
+
+def test_without_parsed_arguments_the_variable_is_the_config(fake_megatron_training, monkeypatch):
+    """megatron-core code that builds its own optimizers (no Megatron-LM arguments) under faircast-run."""
+    def unparsed():
+        raise AssertionError("args is not initialized.")
+    fake_megatron_training.global_vars.get_args = unparsed
+    monkeypatch.setenv(ENV, '{"mode": "fair", "method": "dithered", "seed": 3}')
+    assert megatron_patches._args_config() == ExportCastConfig(mode="fair", method="dithered", seed=3)
 
 
 @pytest.mark.parametrize("argv,on", [

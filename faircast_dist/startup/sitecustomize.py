@@ -2,10 +2,14 @@
 
 With ``FAIRCAST_EXPORT_CAST`` set, the first import of ``deepspeed`` is followed at once by
 ``deepspeed_hooks.patch_deepspeed()``, and that of ``megatron.core.optimizer`` by
-``megatron_patches.activate(<the variable's config>)``: before any other module can bind their
-functions by name. Without the variable nothing is installed. It imports nothing heavy itself (no
+``megatron_patches.activate()`` (whose ``--export-cast*`` flags then default to the variable's
+config, so the command line wins): before any other module can bind their
+functions by name. A script that imports the adapter first (``import megatron_patches``, which
+imports the framework) is turned on as soon as the adapter is defined. Without the variable nothing
+is installed. It imports nothing heavy itself (no
 torch), then runs the ``sitecustomize`` it shadows, if there is one.
 """
+import importlib
 import importlib.abc
 import os
 import sys
@@ -13,15 +17,24 @@ import sys
 ENV = "FAIRCAST_EXPORT_CAST"  # faircast_dist.autoload.ENV (not imported here: it imports torch)
 
 
-def _patch_deepspeed(_module):
-    import deepspeed_hooks
-    deepspeed_hooks.patch_deepspeed()
+def _turn_on(adapter: str, call: str):
+    """A hook that runs ``adapter.call()``. The adapter's own import is hooked too: a script that
+    imports the adapter first (``import deepspeed_hooks``) has the framework imported from inside it,
+    while the adapter is half-defined; then the adapter's hook, once it is whole, turns it on."""
+    def hook(_module):
+        half = sys.modules.get(adapter)
+        if half is not None and not hasattr(half, call):
+            return  # the adapter is importing the framework: its own hook comes when it is defined
+        getattr(importlib.import_module(adapter), call)()  # idempotent: both hooks may call it
+    return hook
 
 
-def _activate_megatron(_module):
-    import megatron_patches
-    from faircast_dist.autoload import env_config
-    megatron_patches.activate(config=env_config())
+# deepspeed_hooks.patch_deepspeed(); megatron_patches.activate(), whose --export-cast* flags then
+# default to the variable's config (a flag on the command line wins)
+HOOKS = {"deepspeed": _turn_on("deepspeed_hooks", "patch_deepspeed"),
+         "deepspeed_hooks": _turn_on("deepspeed_hooks", "patch_deepspeed"),
+         "megatron.core.optimizer": _turn_on("megatron_patches", "activate"),
+         "megatron_patches": _turn_on("megatron_patches", "activate")}
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
@@ -64,5 +77,5 @@ def _run_shadowed_sitecustomize():
 
 
 if os.environ.get(ENV):
-    sys.meta_path.insert(0, AfterImport({"deepspeed": _patch_deepspeed, "megatron.core.optimizer": _activate_megatron}))
+    sys.meta_path.insert(0, AfterImport(HOOKS))
 _run_shadowed_sitecustomize()
