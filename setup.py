@@ -3,14 +3,16 @@ from setuptools import find_packages, setup
 setup(
     name="faircast",
     version="0.1.0",
-    description="Fair Cast for Megatron and DeepSpeed: stochastic rounding / error feedback at the "
-                "fp32 master -> bf16 model cast, shard-aware and reproducible under any layout",
-    packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches", "fsdp_hooks"]),
+    description="Fair Cast for Megatron, DeepSpeed and FSDP2: stochastic rounding, error feedback or "
+                "dithered rounding at the fp32 master -> bf16 model cast, shard-aware and reproducible "
+                "under any layout",
+    packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches", "fsdp_hooks",
+                                    "faircast_run"]),
     # the fused CPU kernel, compiled on first use; faircast-run's start-up hook
-    package_data={"faircast_dist": ["csrc/*.cpp", "startup/sitecustomize.py"]},
+    package_data={"faircast_dist": ["csrc/*.cpp"], "faircast_run": ["startup/sitecustomize.py"]},
     python_requires=">=3.10",
     entry_points={"console_scripts": ["faircast-served=deepspeed_hooks.served:main",
-                                      "faircast-run=faircast_dist.autoload:main"]},
+                                      "faircast-run=faircast_run:main"]},
     # torch is not pinned: install the build you want first (the Makefile installs torch==2.13.0).
     install_requires=["torch>=2.3", "numpy"],
     extras_require={

@@ -29,13 +29,13 @@ CONFIG_KEY = "export_cast"
 
 def parse_config(ds_config: dict) -> ExportCastConfig:
     """The ``export_cast`` section of a DeepSpeed config dict. Absent: the one in the environment
-    variable ``FAIRCAST_EXPORT_CAST`` (:mod:`faircast_dist.autoload`), else nearest (stock).
+    variable ``FAIRCAST_EXPORT_CAST`` (:mod:`faircast_run`), else nearest (stock).
 
     Raises:
         ValueError / TypeError: naming the offending key or value (or the environment variable).
     """
     if CONFIG_KEY not in ds_config:
-        from faircast_dist.autoload import env_config
+        from faircast_dist.config import env_config
         from_env = env_config()
         if from_env is not None:
             return from_env

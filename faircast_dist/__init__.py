@@ -6,14 +6,18 @@ The casts exported here are the fast ones (:mod:`.fused`: the CPU kernel, Triton
 Modules: :mod:`.philox` (counter-based RNG), :mod:`.rounding` (the reference casts), :mod:`.fused`
 (the kernels and their dispatch), :mod:`.shards`
 (global element indices), :mod:`.caster` (config + step + residuals), :mod:`.config`,
-:mod:`.telemetry`, :mod:`.delta` (delta export). Imports nothing from DeepSpeed or Megatron.
+:mod:`.telemetry`, :mod:`.delta` (delta export). No module under it imports an adapter, a
+framework (DeepSpeed, Megatron, FSDP's internals) or the launcher (:mod:`faircast_run`).
+
+``__all__`` is what a user calls: the config, the caster, and the functional casts with the key
+and global indices they take (``derive_key``, ``block_index``); the RNG's internals stay in :mod:`.philox`.
 """
 from faircast_dist.caster import FairCaster
-from faircast_dist.config import ExportCastConfig
-from faircast_dist.philox import derive_dither_key, derive_key, philox4x32_10, random_bits16
+from faircast_dist.config import ConfigError, ExportCastConfig, Method
+from faircast_dist.philox import derive_key
 from faircast_dist.fused import cast_error_feedback, cast_stochastic
 from faircast_dist.rounding import cast_nearest
 from faircast_dist.shards import block_index
 
-__all__ = ["FairCaster", "ExportCastConfig", "derive_key", "derive_dither_key", "philox4x32_10", "random_bits16",
-           "cast_nearest", "cast_stochastic", "cast_error_feedback", "block_index"]
+__all__ = ["ExportCastConfig", "Method", "ConfigError", "FairCaster", "cast_nearest", "cast_stochastic",
+           "cast_error_feedback", "derive_key", "block_index"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
+import os
 from typing import Any
 
 import torch
@@ -36,6 +38,8 @@ class Method(str, enum.Enum):
         return self in (Method.STOCHASTIC, Method.DITHERED)
 
 
+ENV = "FAIRCAST_EXPORT_CAST"  # the export_cast section from the environment (faircast-run)
+STATE_KEY = "export_cast"  # the config section, and the checkpoint / state entry, in every adapter
 MODES = ("nearest", "fair")
 METHODS = tuple(m.value for m in Method if m is not Method.NEAREST)  # the methods of mode "fair"
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -121,3 +125,25 @@ class ExportCastConfig:
     def to_dict(self) -> dict:
         """The fields as plain values (``{"mode": str, "method": str, "seed": int, "residual_dtype": str}``)."""
         return dataclasses.asdict(self)
+
+
+def env_config(environ=os.environ) -> ExportCastConfig | None:
+    """The export-cast config ``FAIRCAST_EXPORT_CAST`` (in ``environ``) asks for, or None when it is
+    unset or empty.
+
+    Raises:
+        ConfigError / TypeError: a bad value (the message names the variable and the key).
+    """
+    value = environ.get(ENV)
+    if not value:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value  # a bare mode string
+    try:
+        return ExportCastConfig.from_value(parsed)
+    except ConfigError as err:
+        raise ConfigError(f"environment variable {ENV}={value!r}: {err}", err.field) from None
+    except TypeError as err:
+        raise TypeError(f"environment variable {ENV}={value!r}: {err}") from None

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from faircast_dist import ExportCastConfig
-from faircast_dist.autoload import ENV, env_config
+from faircast_dist.config import ENV, env_config
 from faircast_dist.wraps import Wraps
 from megatron_patches.args import add_export_cast_args, config_from_args, disagreements, with_export_cast_args
 from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install, logger, uninstall
@@ -75,7 +75,7 @@ def _parsed_args():
 def _args_config() -> ExportCastConfig:
     """The config that runs when :func:`activate` was given none: Megatron-LM's parsed ``--export-cast*``
     arguments, whose defaults are ``FAIRCAST_EXPORT_CAST``'s config where it is set
-    (:func:`faircast_dist.autoload.env_config`): a flag given on the command line wins, and one that
+    (:func:`faircast_dist.config.env_config`): a flag given on the command line wins, and one that
     differs from the variable is one warning on rank 0 naming both values. Without parsed arguments
     that carry the flags (megatron-core code that builds its optimizers itself), the variable's config.
 

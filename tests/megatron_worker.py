@@ -610,7 +610,7 @@ def logged_warnings():
 @contextlib.contextmanager
 def environment(export_cast: str | None):
     """``FAIRCAST_EXPORT_CAST`` = ``export_cast`` meanwhile, as ``faircast-run`` sets it (None: unset)."""
-    from faircast_dist.autoload import ENV
+    from faircast_dist.config import ENV
     saved = os.environ.pop(ENV, None)
     if export_cast is not None:
         os.environ[ENV] = export_cast

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from faircast_dist import ExportCastConfig, autoload
-from faircast_dist.config import ConfigError
+import faircast_run
+from faircast_dist import ExportCastConfig
+from faircast_dist.config import ENV, ConfigError, env_config
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FAIRCAST_RUN = os.path.join(os.path.dirname(sys.executable), "faircast-run")
@@ -21,10 +22,10 @@ def launch(code: str, export_cast: str | None, extra_path: str | None = None, ti
            stderr: bool = False):
     """``faircast-run python -c code`` (``export_cast`` None: the start-up hook on the path, no variable);
     its stdout (and stderr, with ``stderr``)."""
-    env = {k: v for k, v in os.environ.items() if k != autoload.ENV}
+    env = {k: v for k, v in os.environ.items() if k != ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, TESTS) if p)
     if export_cast is None:
-        env["PYTHONPATH"] = os.pathsep.join([autoload.STARTUP_DIR, env["PYTHONPATH"]])
+        env["PYTHONPATH"] = os.pathsep.join([faircast_run.STARTUP_DIR, env["PYTHONPATH"]])
         cmd = [sys.executable, "-c", code]
     else:
         cmd = [FAIRCAST_RUN, "--export-cast", export_cast, sys.executable, "-c", code]
@@ -35,20 +36,20 @@ def launch(code: str, export_cast: str | None, extra_path: str | None = None, ti
 
 
 def test_env_config_takes_json_or_a_mode_and_names_the_variable(monkeypatch):
-    monkeypatch.delenv(autoload.ENV, raising=False)
-    assert autoload.env_config() is None
-    monkeypatch.setenv(autoload.ENV, SR7)
-    assert autoload.env_config() == ExportCastConfig(mode="fair", method="stochastic", seed=7)
-    monkeypatch.setenv(autoload.ENV, "fair")
-    assert autoload.env_config() == ExportCastConfig(mode="fair")
-    monkeypatch.setenv(autoload.ENV, '{"mode": "fair", "methd": "stochastic"}')
+    monkeypatch.delenv(ENV, raising=False)
+    assert env_config() is None
+    monkeypatch.setenv(ENV, SR7)
+    assert env_config() == ExportCastConfig(mode="fair", method="stochastic", seed=7)
+    monkeypatch.setenv(ENV, "fair")
+    assert env_config() == ExportCastConfig(mode="fair")
+    monkeypatch.setenv(ENV, '{"mode": "fair", "methd": "stochastic"}')
     with pytest.raises(ConfigError, match=r"environment variable FAIRCAST_EXPORT_CAST=.*unknown key\(s\).*methd"):
-        autoload.env_config()
+        env_config()
 
 
 def test_the_variable_fills_only_a_missing_deepspeed_section(monkeypatch):
     from deepspeed_hooks import parse_config
-    monkeypatch.setenv(autoload.ENV, SR7)
+    monkeypatch.setenv(ENV, SR7)
     assert parse_config({}).method == "stochastic"
     assert parse_config({"export_cast": "nearest"}).enabled is False  # the config's own section wins
 
@@ -113,11 +114,11 @@ def test_without_the_variable_nothing_is_installed_and_a_shadowed_sitecustomize_
 
 def test_print_env_gives_what_a_ray_runtime_env_needs(capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    monkeypatch.delenv(autoload.ENV, raising=False)
-    autoload.main(["--export-cast", SR7, "--print-env"])
+    monkeypatch.delenv(ENV, raising=False)
+    faircast_run.main(["--export-cast", SR7, "--print-env"])
     env = json.loads(capsys.readouterr().out)
-    assert env == {"PYTHONPATH": os.pathsep.join([autoload.STARTUP_DIR, "/somewhere"]), autoload.ENV: SR7}
+    assert env == {"PYTHONPATH": os.pathsep.join([faircast_run.STARTUP_DIR, "/somewhere"]), ENV: SR7}
     with pytest.raises(SystemExit):
-        autoload.main(["--export-cast", '{"mode": "fiar"}', "--print-env"])
-    assert autoload.ENV not in os.environ  # printing changes nothing here (later tests spawn workers)
+        faircast_run.main(["--export-cast", '{"mode": "fiar"}', "--print-env"])
+    assert ENV not in os.environ  # printing changes nothing here (later tests spawn workers)
     assert "FAIRCAST_EXPORT_CAST='{\"mode\": \"fiar\"}': export_cast.mode must be one of" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import pytest
 
 import megatron_patches
 from faircast_dist import ExportCastConfig
-from faircast_dist.autoload import ENV
+from faircast_dist.config import ENV
 from megatron_lm_standin import parse
 from megatron_patches import add_export_cast_args, check_config, config_from_args, with_export_cast_args
 

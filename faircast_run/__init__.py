@@ -1,4 +1,5 @@
-"""Fair Cast from the environment: the export cast on in every process a launch starts, with no
+"""``faircast-run``, Fair Cast from the environment (the launcher: it sits outside the framework-free
+core, since its start-up hook imports the adapters): the export cast on in every process a launch starts, with no
 edit to the launch script or the framework config (as ``ddtrace-run`` / ``opentelemetry-instrument``
 do for tracing)::
 
@@ -6,7 +7,7 @@ do for tracing)::
         faircast-run torchrun --nproc_per_node 8 train.py ...
     faircast-run --export-cast '{"mode": "fair"}' accelerate launch train.py ...   # the same
 
-``faircast-run`` puts ``faircast_dist/startup`` first on ``PYTHONPATH`` and runs the command; its
+``faircast-run`` puts ``faircast_run/startup`` first on ``PYTHONPATH`` and runs the command; its
 ``sitecustomize.py`` then runs at the start of every Python process below it (torchrun, accelerate
 and mpirun workers inherit the environment). With ``FAIRCAST_EXPORT_CAST`` set:
 
@@ -36,36 +37,13 @@ import json
 import os
 import sys
 
-from faircast_dist.config import ConfigError, ExportCastConfig
+from faircast_dist.config import ENV, ConfigError, env_config
 
-ENV = "FAIRCAST_EXPORT_CAST"
 STARTUP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
 
 
-def env_config(environ=os.environ) -> ExportCastConfig | None:
-    """The export-cast config ``FAIRCAST_EXPORT_CAST`` (in ``environ``) asks for, or None when it is
-    unset or empty.
-
-    Raises:
-        ConfigError / TypeError: a bad value (the message names the variable and the key).
-    """
-    value = environ.get(ENV)
-    if not value:
-        return None
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        parsed = value  # a bare mode string
-    try:
-        return ExportCastConfig.from_value(parsed)
-    except ConfigError as err:
-        raise ConfigError(f"environment variable {ENV}={value!r}: {err}", err.field) from None
-    except TypeError as err:
-        raise TypeError(f"environment variable {ENV}={value!r}: {err}") from None
-
-
 def launch_env(export_cast: str | None = None, environ=os.environ) -> dict[str, str]:
-    """The two variables a process needs for :mod:`faircast_dist.autoload`: ``PYTHONPATH`` with the
+    """The two variables a process needs for :mod:`faircast_run`: ``PYTHONPATH`` with the
     start-up directory first, and ``FAIRCAST_EXPORT_CAST`` (``export_cast``, else ``environ``'s)."""
     path = [STARTUP_DIR] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != STARTUP_DIR]
     env = {"PYTHONPATH": os.pathsep.join(path)}

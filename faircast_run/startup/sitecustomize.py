@@ -1,4 +1,4 @@
-"""Fair Cast's start-up hook, on ``PYTHONPATH`` by ``faircast-run`` (see :mod:`faircast_dist.autoload`).
+"""Fair Cast's start-up hook, on ``PYTHONPATH`` by ``faircast-run`` (see :mod:`faircast_run`).
 
 With ``FAIRCAST_EXPORT_CAST`` set, the first import of ``deepspeed`` is followed at once by
 ``deepspeed_hooks.patch_deepspeed()``, and that of ``megatron.core.optimizer`` by
@@ -14,7 +14,7 @@ import importlib.abc
 import os
 import sys
 
-ENV = "FAIRCAST_EXPORT_CAST"  # faircast_dist.autoload.ENV (not imported here: it imports torch)
+ENV = "FAIRCAST_EXPORT_CAST"  # faircast_dist.config.ENV (not imported here: it imports torch)
 
 
 def _turn_on(adapter: str, call: str):
