@@ -21,10 +21,9 @@ from deepspeed import comm as dist
 from deepspeed.utils.logging import print_dist
 
 from faircast_dist import ExportCastConfig, FairCaster
-from faircast_dist.config import ConfigError
+from faircast_dist.config import STATE_KEY, ConfigError
+from faircast_dist.export import ExportState
 from faircast_dist.wraps import Wraps
-
-CONFIG_KEY = "export_cast"
 
 
 def parse_config(ds_config: dict) -> ExportCastConfig:
@@ -34,20 +33,20 @@ def parse_config(ds_config: dict) -> ExportCastConfig:
     Raises:
         ValueError / TypeError: naming the offending key or value (or the environment variable).
     """
-    if CONFIG_KEY not in ds_config:
+    if STATE_KEY not in ds_config:
         from faircast_dist.config import env_config
         from_env = env_config()
         if from_env is not None:
             return from_env
     try:
-        return ExportCastConfig.from_value(ds_config.get(CONFIG_KEY))
+        return ExportCastConfig.from_value(ds_config.get(STATE_KEY))
     except ConfigError as err:
         raise ConfigError(f"DeepSpeed config: {err}", err.field) from None
     except TypeError as err:
         raise TypeError(f"DeepSpeed config: {err}") from None
 
 
-def install(engine) -> FairCaster | None:
+def install(engine, *, config=None) -> list[ExportState]:
     """Install Fair Cast on an initialized DeepSpeed engine, as its config asks.
 
     Every point Fair Cast changes in DeepSpeed is wrapped here, in one list (the private names
@@ -55,6 +54,8 @@ def install(engine) -> FairCaster | None:
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` whose config may hold ``"export_cast"``.
+        config: an :class:`~faircast_dist.ExportCastConfig` (or what ``ExportCastConfig.from_value``
+            takes) to use instead of the engine config's section (:func:`parse_config`).
 
     Engines whose optimizer updates nothing (a reference, reward or frozen model built from a copy
     of the training config, see :func:`deepspeed_hooks.compat.updates_nothing`) are left stock.
@@ -62,26 +63,26 @@ def install(engine) -> FairCaster | None:
     (``print_dist``, DeepSpeed's way for messages its default WARNING level would hide).
 
     Returns:
-        The engine's :class:`FairCaster` (also at ``engine.optimizer.export_caster``), or None
-        when the config does not enable Fair Cast or the engine trains nothing (then nothing is
-        changed: stock behaviour).
+        ``[the engine's ExportState]`` (:class:`~faircast_dist.export.ExportState`; also
+        ``engine.optimizer.export_cast.state``), or ``[]`` when the config does not enable Fair Cast
+        or the engine trains nothing (then nothing is changed: stock behaviour).
 
     Raises:
         ValueError: bad ``export_cast`` section; ``fair`` without bf16 or with fp16.
         NotImplementedError: ``fair`` on an optimizer wrapper this version does not cover
             (names it), or ZeRO-3 with NVMe parameter swapping.
     """
-    config = parse_config(engine.config)
+    config = parse_config(engine.config) if config is None else ExportCastConfig.from_value(config)
     if not config.enabled:
-        return None
+        return []
     if engine.fp16_enabled() or not engine.bfloat16_enabled():
-        raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}": mode "fair" needs "bf16": {{"enabled": true}} '
+        raise ValueError(f'DeepSpeed config: "{STATE_KEY}": mode "fair" needs "bf16": {{"enabled": true}} '
                          f'(fp16 enabled: {engine.fp16_enabled()}, bf16 enabled: {engine.bfloat16_enabled()})')
     from deepspeed_hooks import compat, stage0, stage3, zero12
     idle = compat.updates_nothing(engine)
     if idle is not None:
         print_dist(f"Fair Cast: left stock (round-to-nearest) on this engine: {idle}", ranks=[0])
-        return None
+        return []
     caster, optimizer = FairCaster(config), engine.optimizer
     path = compat.wrapper_path(optimizer)
     export = {"zero12": zero12, "stage0": stage0, "zero3": stage3}[path].attach(optimizer, caster, engine.param_names)
@@ -96,24 +97,23 @@ def install(engine) -> FairCaster | None:
     if path == "zero3":
         wraps.wrap(optimizer, compat.ZERO3_REASSIGN, export.wrap_reassign)
         wraps.wrap(optimizer, "load_state_dict", export.wrap_load_restores_served)
-    wraps.set(optimizer, "export_caster", caster)
-    wraps.set(optimizer, "fair_export", export)
+    wraps.set(optimizer, STATE_KEY, export)
     wraps.wrap(engine, "save_checkpoint", functools.partial(_save_commits_after_all_ranks, engine))
     wraps.wrap(engine, "load_checkpoint", functools.partial(_load_serves_what_was_served, engine))
     if engine.monitor.enabled:
         from deepspeed_hooks.monitor import DriftMonitor
-        export.telemetry = DriftMonitor(sum(compat.full_numel(p) for p in engine.param_names))
+        export.state.telemetry = DriftMonitor(sum(compat.full_numel(p) for p in engine.param_names))
         wraps.wrap(engine, "step", functools.partial(_step_reports_drift, engine, export))
     print_dist(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) on "
                f"{type(optimizer).__name__}, replacing its round-to-nearest fp32->bf16 copy", ranks=[0])
-    return caster
+    return [export.state]
 
 
 def uninstall(engine) -> None:
     """Undo :func:`install` on ``engine``: every wrapped method and function is the original again
     (stock DeepSpeed from the next call on; the bf16 model keeps what was served). No-op when Fair
     Cast is not installed."""
-    export = getattr(engine.optimizer, "fair_export", None)
+    export = getattr(engine.optimizer, STATE_KEY, None)
     if export is not None:
         export.wraps.uninstall()
 
@@ -134,17 +134,16 @@ def _save_commits_after_all_ranks(engine, save):
         ValueError: ``client_state`` has the key ``"export_cast"`` (Fair Cast's own).
     """
     from deepspeed_hooks import compat
-    from deepspeed_hooks.checkpoint import CLIENT_KEY
 
     @functools.wraps(save)
     def save_checkpoint(*args, **kwargs):
         bound = compat.bind(save, *args, **kwargs)
         save_dir, client_state = bound.arguments["save_dir"], bound.arguments["client_state"]
-        if CLIENT_KEY in client_state:
-            raise ValueError(f'save_checkpoint: client_state key "{CLIENT_KEY}" is reserved for Fair Cast\'s state')
+        if STATE_KEY in client_state:
+            raise ValueError(f'save_checkpoint: client_state key "{STATE_KEY}" is reserved for Fair Cast\'s state')
         tag = bound.arguments["tag"]
         tag = bound.arguments["tag"] = tag if tag is not None else f"global_step{engine.global_steps}"
-        bound.arguments["client_state"] = {**client_state, CLIENT_KEY: {"step": engine.optimizer.export_caster.step}}
+        bound.arguments["client_state"] = {**client_state, STATE_KEY: {"step": engine.optimizer.export_cast.caster.step}}
         save_latest, bound.arguments["save_latest"] = bound.arguments["save_latest"], False
         result = save(*bound.args, **bound.kwargs)
         dist.barrier()
@@ -184,9 +183,9 @@ def _load_serves_what_was_served(engine, load):
         with compat.zero3_fp32_reads_tag(tag):
             path, client_state = load(*bound.args, **bound.kwargs)
         if path is not None:
-            meta = client_state.pop(checkpoint.CLIENT_KEY, None)
+            meta = client_state.pop(STATE_KEY, None)
             checkpoint.finish_load(engine, os.path.join(flags["load_dir"], tag), meta, optimizer_states, universal)
-            engine.optimizer.fair_export.telemetry.reset()  # the served model was replaced: the next step primes again
+            engine.optimizer.export_cast.telemetry.reset()  # the served model was replaced: the next step primes again
         return path, client_state
     return load_checkpoint
 

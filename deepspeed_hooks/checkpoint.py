@@ -40,9 +40,8 @@ import torch
 from deepspeed.utils import logger
 
 from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY, UNIVERSAL_STATE_FILE
+from faircast_dist.export import warn
 from faircast_dist.shards import partition_range
-
-CLIENT_KEY = "export_cast"  # in each model-states file (save_checkpoint's client_state): {"step": int}
 
 
 def _load(path):
@@ -280,7 +279,7 @@ def finish_load(engine, tag_dir: str, meta: dict | None, optimizer_loaded: bool,
             whose param groups do not match the optimizer's.
         KeyError: a trained param has no served value in the checkpoint.
     """
-    export = engine.optimizer.fair_export
+    export = engine.optimizer.export_cast
     names = [n for n, _ in engine.module.named_parameters()]
     if universal:
         if optimizer_loaded:  # ZeRO-3's universal loader gives every group group 0's hyperparameters
@@ -310,9 +309,9 @@ def finish_load(engine, tag_dir: str, meta: dict | None, optimizer_loaded: bool,
     engine.optimizer.refresh_fp32_params()  # masters := the served bf16 values (each rank its partition)
     for hp, _ in export.groups():  # what a universal loader put there; an empty state lets Adam start afresh
         for key in STATE_KEYS:
-            export.state(hp).pop(key, None)
+            export.group_state(hp).pop(key, None)
     if step is None:
-        logger.warning(f"export cast: {tag_dir} has no export step (written without Fair Cast?): it starts at 0")
+        warn(f"{tag_dir} has no export step (written without Fair Cast?): it starts at 0")
     export.caster.step = int(step or 0)
     logger.info(f"export cast: loaded without optimizer state: masters set to the served bf16 values, residuals "
                 f"at zero, export step {export.caster.step}")

@@ -22,15 +22,15 @@ import dataclasses
 import functools
 import itertools
 import os
+from collections.abc import MutableMapping
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.utils import logger
 
 from deepspeed_hooks import compat
 from faircast_dist import FairCaster
-from faircast_dist.caster import adopt_residuals
 from faircast_dist.config import RESIDUAL_DTYPES, Method
+from faircast_dist.export import ExportState, warn
 from faircast_dist.telemetry import ExportObserver
 
 STEP_KEY = "export_cast_step"
@@ -63,6 +63,33 @@ class Fragment:
     out: torch.Tensor
 
 
+class StateResiduals(MutableMapping):
+    """The residual store of a DeepSpeed export (:attr:`ExportState.residuals`), kept where DeepSpeed
+    checkpoints it: ``base optimizer.state[group fp32 tensor]["export_cast_residual"]``, keyed by
+    that tensor (read through ``.state`` each time: torch's ``load_state_dict`` replaces it)."""
+
+    def __init__(self, base_optimizer):
+        self.base = base_optimizer
+
+    def __getitem__(self, hp):
+        state = self.base.state.get(hp)
+        if state is None or RESIDUAL_KEY not in state:
+            raise KeyError(hp)
+        return state[RESIDUAL_KEY]
+
+    def __setitem__(self, hp, residual):
+        self.base.state[hp][RESIDUAL_KEY] = residual
+
+    def __delitem__(self, hp):
+        del self.base.state[hp][RESIDUAL_KEY]
+
+    def __iter__(self):
+        return iter([hp for hp, state in self.base.state.items() if RESIDUAL_KEY in state])
+
+    def __len__(self):
+        return len(list(iter(self)))
+
+
 class OptimizerExport:
     """Fair Cast on one DeepSpeed optimizer wrapper. Subclasses define :meth:`groups`.
 
@@ -70,16 +97,29 @@ class OptimizerExport:
         optimizer: the DeepSpeed optimizer wrapper (``engine.optimizer``).
         caster: the :class:`FairCaster` built from the ``export_cast`` config.
         param_names: ``{param: name}`` (``engine.param_names``).
+
+    Attributes:
+        state: the :class:`~faircast_dist.export.ExportState` (step, telemetry: a DriftMonitor when
+            DeepSpeed's monitor is enabled), its residuals in the base optimizer's state
+            (:class:`StateResiduals`).
     """
 
     #: every rank holds full copies (stage 0): gathering needs no reduction
     replicated = False
 
     def __init__(self, optimizer, caster: FairCaster, param_names: dict):
-        self.optimizer, self.caster, self.param_names = optimizer, caster, param_names
+        self.optimizer, self.param_names = optimizer, param_names
+        self.state = ExportState(caster, residuals=StateResiduals(optimizer.optimizer))
         self.in_step = False
-        self.telemetry: ExportObserver = ExportObserver()  # a DriftMonitor when DeepSpeed's monitor is enabled
         self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish() (empty: no export)
+
+    @property
+    def caster(self) -> FairCaster:
+        return self.state.caster
+
+    @property
+    def telemetry(self) -> ExportObserver:
+        return self.state.telemetry
 
     # ---- what an adapter provides
     def groups(self) -> list[tuple[torch.Tensor, list[Fragment]]]:
@@ -134,7 +174,8 @@ class OptimizerExport:
         return fair_load_state_dict
 
     # ---- shared machinery
-    def state(self, hp: torch.Tensor) -> dict:
+    def group_state(self, hp: torch.Tensor) -> dict:
+        """The base optimizer's state of group fp32 tensor ``hp`` (where Fair Cast's entries live)."""
         return self.optimizer.optimizer.state[hp]
 
     def group(self, i: int) -> tuple[torch.Tensor, list[Fragment]]:
@@ -173,14 +214,9 @@ class OptimizerExport:
         """Cast one group; ``out``: a bf16 1-D buffer laid out like ``hp`` to write instead of the
         fragments' own targets (ZeRO-1/2: the buffer DeepSpeed's copy was about to fill)."""
         with self.telemetry.span(hp.device):  # one span per group (ZeRO steps each group just before its cast)
-            state = self.state(hp)
-            state.pop(SERVED_KEY, None)
-            residual = None
-            if self.caster.method.needs_residual:
-                residual = state.get(RESIDUAL_KEY)
-                if residual is None:
-                    residual = state[RESIDUAL_KEY] = self.caster.new_residual(hp.view(-1))
-                residual = residual.view(-1)
+            self.group_state(hp).pop(SERVED_KEY, None)
+            residual = self.state.residual(hp, hp.view(-1))
+            residual = None if residual is None else residual.view(-1)
             for _, start, master, served, rows in self.buffers(None, hp, fragments, out):
                 self.caster.cast_flat(master, served, rows,
                                       None if residual is None else residual.narrow(0, start, master.numel()))
@@ -193,7 +229,7 @@ class OptimizerExport:
         self._cast_now.clear()
         self.caster.advance()
         for hp, _ in self.groups():
-            self.state(hp)[STEP_KEY] = self.caster.step
+            self.group_state(hp)[STEP_KEY] = self.caster.step
         self.telemetry.end(self.pieces)
 
     def export(self) -> None:
@@ -210,7 +246,7 @@ class OptimizerExport:
             served = torch.zeros(hp.numel(), dtype=torch.bfloat16, device=hp.device)
             for f in fragments:
                 served.narrow(0, f.start, f.numel).copy_(f.out)
-            state = self.state(hp)
+            state = self.group_state(hp)
             state[SERVED_KEY] = served
             state[STEP_KEY] = self.caster.step
             state[METHOD_KEY] = list(Method).index(self.caster.method)
@@ -224,7 +260,7 @@ class OptimizerExport:
         """
         found = False
         for hp, fragments in self.groups():
-            served = self.state(hp).get(SERVED_KEY)
+            served = self.group_state(hp).get(SERVED_KEY)
             if served is None:
                 continue
             found = True
@@ -251,33 +287,37 @@ class OptimizerExport:
         groups = self.groups()
         if universal_folder is not None:
             self._load_universal(universal_folder)
-        steps = {self.state(hp).get(STEP_KEY) for hp, _ in groups}
+        steps = {self.group_state(hp).get(STEP_KEY) for hp, _ in groups}
         if len(steps) != 1:
             raise ValueError(f"export cast: param groups disagree on {STEP_KEY}: {sorted(map(str, steps))}")
         (step,) = steps
         if step is None:
-            logger.warning("export cast: the checkpoint has no export-cast state (written without Fair Cast?): "
-                           "export step starts at 0" + (", residuals at zero" if self.caster.method.needs_residual else ""))
+            warn("the checkpoint has no export-cast state (written without Fair Cast?): export step starts at 0"
+                 + (", residuals at zero" if self.caster.method.needs_residual else ""))
         self.caster.step = int(step or 0)
         dtype = RESIDUAL_DTYPES[self.caster.config.residual_dtype]
+        saved, codes = False, set()
         for hp, fragments in groups:
-            state = self.state(hp)
+            state = self.group_state(hp)
             residual = state.get(RESIDUAL_KEY)
             if residual is not None and residual.numel() != hp.numel():
                 names = sorted({f.name for f in fragments})
                 raise ValueError(f"export cast: saved {RESIDUAL_KEY} has {residual.numel()} elements but the "
                                  f"partition holding {names} has {hp.numel()} (saved under another layout?)")
-            code = state.get(METHOD_KEY)
-            action, warning = adopt_residuals(self.caster.method, residual is not None,
-                                              None if code is None else list(Method)[code])
-            if warning is not None and step is not None:  # without any Fair Cast state: warned above
-                logger.warning(f"export cast: {warning}")
-            if action == "keep":  # torch's Optimizer.load_state_dict casts float state to the param dtype: undo it
-                state[RESIDUAL_KEY] = residual.to(dtype).view(hp.shape)
-            elif action == "drop":
-                del state[RESIDUAL_KEY]
+            saved |= residual is not None
+            codes.add(state.get(METHOD_KEY))
             if state.get(SERVED_KEY) is not None:
                 state[SERVED_KEY] = state[SERVED_KEY].to(torch.bfloat16)
+        code = next(iter(codes)) if len(codes) == 1 else None
+        # without any Fair Cast state: warned above
+        action = self.state.adopt(saved, None if code is None else list(Method)[code],
+                                  warning="" if step is None else None)
+        for hp, _ in groups:
+            state = self.group_state(hp)
+            if action == "keep" and RESIDUAL_KEY in state:  # torch's Optimizer.load_state_dict casts float
+                state[RESIDUAL_KEY] = state[RESIDUAL_KEY].to(dtype).view(hp.shape)  # state to the param dtype: undo it
+            elif action == "drop":
+                state.pop(RESIDUAL_KEY, None)
 
     def _load_universal(self, folder: str) -> None:
         if not os.path.exists(os.path.join(folder, "zero", UNIVERSAL_STATE_FILE)):
@@ -285,7 +325,7 @@ class OptimizerExport:
         names = sorted({f.name for _, fragments in self.groups() for f in fragments})
         meta, values = read_universal(folder, names)
         for hp, _ in self.groups():
-            state = self.state(hp)
+            state = self.group_state(hp)
             state[STEP_KEY] = meta["step"]
             for key in (RESIDUAL_KEY, SERVED_KEY):
                 state.pop(key, None)  # DeepSpeed's own loader may have put an fp32 copy there
@@ -314,7 +354,7 @@ class OptimizerExport:
         from deepspeed.accelerator import get_accelerator
         pieces: dict[str, list] = {}
         for hp, fragments in self.groups():
-            source = hp if key is None else self.state(hp).get(key)
+            source = hp if key is None else self.group_state(hp).get(key)
             if source is None:
                 continue
             for f in fragments:
@@ -380,7 +420,7 @@ def load_full(export: OptimizerExport, values: dict[str, torch.Tensor], key: str
         if key is None:
             target = hp.view(-1)
         else:
-            state = export.state(hp)
+            state = export.group_state(hp)
             if state.get(key) is None:
                 state[key] = (export.caster.new_residual(hp.view(-1)) if dtype is None
                               else torch.zeros(hp.numel(), dtype=dtype, device=hp.device))

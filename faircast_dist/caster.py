@@ -172,7 +172,8 @@ class FairCaster:
             ``outs``.
 
         Raises:
-            ValueError / TypeError: a missing residual, bad buffers or fragments (named).
+            ValueError / TypeError: a missing residual (error feedback), bad buffers or fragments
+                (named; checked once, by :func:`faircast_dist.fused.cast_tensors`).
         """
         rows = list(fragments)
         method = self.method
@@ -180,14 +181,13 @@ class FairCaster:
             for k, _, start, numel, _ in rows:
                 cast_nearest(masters[k].narrow(0, start, numel), outs[k].narrow(0, start, numel))
             return outs
-        if method.needs_residual and residuals is None:
-            raise ValueError("FairCaster.cast_flat: error feedback needs the buffer's residual")
         keyed = method.keyed  # every keyed method is stochastic rounding in the kernel
         keys = {name: self.key(name, step) if keyed else (0, 0) for _, name, _, _, _ in rows}
         table = [(k, start, numel, index, *keys[name]) for k, name, start, numel, index in rows]
         targets = [o if o.device == m.device else torch.empty(m.shape, dtype=torch.bfloat16, device=m.device)
                    for m, o in zip(masters, outs)]
-        fused.cast_tensors("stochastic" if keyed else "error_feedback", masters, targets, table, residuals, backend)
+        fused.cast_tensors(Method.STOCHASTIC if keyed else Method.ERROR_FEEDBACK, masters, targets, table, residuals,
+                           backend)
         for k, _, start, numel, _ in rows:
             if targets[k] is not outs[k]:
                 outs[k].narrow(0, start, numel).copy_(targets[k].narrow(0, start, numel))

@@ -38,9 +38,12 @@ from typing import Sequence
 import torch
 
 from faircast_dist import rounding
+from faircast_dist.config import Method
 from faircast_dist.shards import index_runs  # noqa: F401  (also fused.index_runs: strided blocks -> segment rows)
 
-KERNELS = ("stochastic", "error_feedback")  # the kernels (dithered rounding is the stochastic one, other keys)
+# the kernels, by the Method they run (dithered rounding is the stochastic one with other keys); a
+# Method is a str, so "stochastic" / "error_feedback" name them too
+KERNELS = (Method.STOCHASTIC, Method.ERROR_FEEDBACK)
 BACKENDS = ("auto", "cpu", "triton", "reference")
 BACKEND_ENV = "FAIRCAST_FUSED_BACKEND"  # overrides "auto" (e.g. "reference" to rule the kernels out)
 _CPU = {}  # "module": the built extension, or None after a failed build
@@ -246,7 +249,7 @@ def cast_flat(method: str, master: torch.Tensor, out: torch.Tensor, segments, re
       updated in place (the key and index columns are unused).
 
     Args:
-        method: ``"stochastic"`` or ``"error_feedback"``.
+        method: :attr:`Method.STOCHASTIC` or :attr:`Method.ERROR_FEEDBACK` (or their strings).
         master: float32 1-D contiguous buffer.
         out: bfloat16 1-D contiguous buffer (same device), written in place.
         segments: ``[S, 5]`` int64 table or rows (see :func:`segment_table`); rows must not overlap.
@@ -274,7 +277,7 @@ def cast_tensors(method: str, masters: Sequence[torch.Tensor], outs: Sequence[to
     backend launches one kernel per tensor that has rows (each launch covers all of its rows).
 
     Args:
-        method: ``"stochastic"`` or ``"error_feedback"``.
+        method: :attr:`Method.STOCHASTIC` or :attr:`Method.ERROR_FEEDBACK` (or their strings).
         masters: float32 1-D contiguous tensors (one device).
         outs: bfloat16 1-D contiguous tensors, ``outs[i]`` indexed like ``masters[i]``, written in place.
         segments: ``[S, 6]`` int64 rows ``(tensor, start, numel, index, k0, k1)``: ``tensor`` is the

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,9 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from faircast_dist.caster import adopt_residuals
-
-KEY = "export_cast"
+from faircast_dist.config import STATE_KEY as KEY
+from faircast_dist.export import warn
 
 
 class ExportCastState(Stateful):
@@ -42,7 +40,7 @@ class ExportCastState(Stateful):
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.export = getattr(model, "fair_export", None)
+        self.export = getattr(model, "export_cast", None)
         if self.export is None:
             raise ValueError("fsdp_hooks.checkpoint: Fair Cast is not installed on this model (fsdp_hooks.install)")
 
@@ -55,26 +53,26 @@ class ExportCastState(Stateful):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        ex = self.export
-        ex.caster.step = int(state["step"])
-        if state.get("seed", ex.caster.config.seed) != ex.caster.config.seed and ex.caster.method.keyed:
-            warnings.warn(f"fsdp_hooks.checkpoint: the checkpoint was written with seed {state['seed']}, the "
-                          f"config now says {ex.caster.config.seed}: the random bits change from here", stacklevel=2)
-        action, warning = adopt_residuals(ex.caster.method, "residual" in state, state.get("method"))
-        if warning:
-            warnings.warn(f"fsdp_hooks.checkpoint: {warning}", stacklevel=2)
-        if action == "keep":
-            with torch.no_grad():
-                for key, buffers in (("residual", ex.residuals), ("served", ex.outs)):
-                    for target, loaded in zip(ex.dtensors(buffers).values(), state[key].values()):
-                        if loaded.to_local().data_ptr() != target.to_local().data_ptr():
-                            target.to_local().copy_(loaded.to_local())
-            ex.loaded()
-        else:
-            if ex.residuals is not None:
-                for r in ex.residuals:
-                    r.zero_()
-            ex.invalidate()
+        _adopt(self.export, state, saved_residuals="residual" in state)
+
+
+def _adopt(ex, state: dict, saved_residuals: bool) -> None:
+    """Take a loaded state (``state``: what was requested of the checkpoint) into ``ex``: its step, and
+    its residuals and served shards as :meth:`faircast_dist.export.ExportState.adopt` rules
+    (``saved_residuals``: the checkpoint holds residuals, requested or not)."""
+    ex.caster.step = int(state["step"])
+    if state.get("seed", ex.caster.config.seed) != ex.caster.config.seed and ex.caster.method.keyed:
+        warn(f"fsdp_hooks.checkpoint: the checkpoint was written with seed {state['seed']}, the "
+             f"config now says {ex.caster.config.seed}: the random bits change from here")
+    if ex.state.adopt(saved_residuals, state.get("method")) == "keep":
+        with torch.no_grad():
+            for key, buffers in (("residual", ex.residuals), ("served", ex.outs)):
+                for target, loaded in zip(ex.dtensors(buffers).values(), state[key].values()):
+                    if loaded.to_local().data_ptr() != target.to_local().data_ptr():
+                        target.to_local().copy_(loaded.to_local())
+        ex.loaded()
+    else:
+        ex.invalidate()
 
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:
@@ -129,10 +127,7 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if "step" not in request:
         steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
-        warnings.warn(f"fsdp_hooks.checkpoint: {checkpoint_id} holds no Fair Cast state: the export step follows "
-                      f"the optimizer ({max(steps, default=0)})", stacklevel=2)
+        warn(f"fsdp_hooks.checkpoint: {checkpoint_id} holds no Fair Cast state: the export step follows "
+             f"the optimizer ({max(steps, default=0)})")
         request["step"] = max(steps, default=0)
-    if not ours.export.caster.method.needs_residual and any(s.startswith(f"{KEY}.residual.") for s in saved):
-        _, warning = adopt_residuals(ours.export.caster.method, True)
-        warnings.warn(f"fsdp_hooks.checkpoint: {warning}", stacklevel=2)
-    ours.load_state_dict(request)
+    _adopt(ours.export, request, saved_residuals=any(s.startswith(f"{KEY}.residual.") for s in saved))

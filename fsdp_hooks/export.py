@@ -2,9 +2,10 @@
 all-gathers for compute, and served.
 
 One :class:`FsdpExport` per model. It keeps, per param, a flat bf16 buffer shaped like FSDP's
-padded fp32 shard (2 bytes per local element) and, for error feedback, the residual. The cast runs
+padded fp32 shard (2 bytes per local element); its :class:`~faircast_dist.export.ExportState` keeps
+the step and, for error feedback, the residual of each param's shard. The cast runs
 once per optimizer step, lazily: the first all-gather after the masters changed casts every
-shard in one fused call (:meth:`faircast_dist.FairCaster.cast_tensors`); every re-gather of that
+shard in one fused call (:meth:`faircast_dist.export.ExportState.export`); every re-gather of that
 step (backward with ``reshard_after_forward``, gradient accumulation) and :func:`served_weights`
 use the same bits. The masters changed when the optimizer stepped (an
 ``optimizer.register_step_post_hook``, which also counts the export step) or when the params' version
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from faircast_dist import FairCaster
+from faircast_dist.export import ExportState, Shard
 from faircast_dist.shards import block_index, index_runs
 from fsdp_hooks import compat
 
@@ -39,19 +41,22 @@ class FsdpExport:
         caster: the :class:`~faircast_dist.FairCaster` (config, export step).
 
     Attributes:
+        state: the :class:`~faircast_dist.export.ExportState` (step, residuals keyed by param name,
+            telemetry).
         names: canonical param names (:func:`canonical_name` of ``model.named_parameters()``), in
             that order; :attr:`params` (FSDP's ``FSDPParam`` objects) and the buffers follow it.
         outs: per param, bfloat16 1-D buffer of FSDP's padded shard size: the cast local shard
             (padding zero).
-        residuals: error feedback only: per param, the residual (1-D, padded shard size, the
-            configured residual dtype), else None.
+        counted: per param, whether the drift telemetry counts its local block on this rank (no lower
+            rank holds the same block: HSDP replicas, params TP replicates or leaves out of its mesh
+            count once).
 
     Raises:
         TypeError: a param whose sharded master is not float32 (named).
     """
 
     def __init__(self, model: torch.nn.Module, caster: FairCaster):
-        self.caster = caster
+        self.state = ExportState(caster, replays=False)  # outs are Fair Cast's own: nothing overwrites them
         order = {id(p): (i, canonical_name(n)) for i, (n, p) in enumerate(model.named_parameters())}
         self.params = sorted(compat.fsdp_params(model), key=lambda fp: order[id(fp.sharded_param)][0])
         self.names = [order[id(fp.sharded_param)][1] for fp in self.params]
@@ -59,16 +64,35 @@ class FsdpExport:
             if compat.padded_shard(fp).dtype != torch.float32:
                 raise TypeError(f"fsdp_hooks: param {name!r} is {compat.padded_shard(fp).dtype}: Fair Cast casts "
                                 "float32 master params (fully_shard an fp32 model, MixedPrecisionPolicy(param_dtype=bf16))")
-        self.fragments = []
-        for k, (name, fp) in enumerate(zip(self.names, self.params)):
+        self.runs = []  # per param: (name, start in the shard, numel, global index) of each run
+        for name, fp in zip(self.names, self.params):
             local_shape, offsets = compat.global_offset(fp.sharded_param)
             index = block_index(fp.sharded_param.shape, offsets, local_shape)
-            self.fragments += [(k, name, *map(int, row)) for row in index_runs(index)]
-        self.outs = [torch.zeros_like(compat.padded_shard(fp), dtype=torch.bfloat16) for fp in self.params]
-        self.residuals = ([caster.new_residual(compat.padded_shard(fp)) for fp in self.params]
-                          if caster.method.needs_residual else None)
+            self.runs.append([(name, *map(int, row)) for row in index_runs(index)])
+        # what stock FSDP2 served before the first export (its round-to-nearest all-gather input; the
+        # padding is zero): the telemetry's first export counts its changes from it
+        self.outs = [compat.padded_shard(fp).to(torch.bfloat16) for fp in self.params]
+        self.counted = [True] * len(self.params)  # fsdp_hooks.install(telemetry=True) sets it
+        for shard in self.shards():  # residuals from the start: a checkpoint before the first export holds them
+            self.state.residual(shard.key, shard.master)
         self._versions = None  # the params' version counters at the last export (None: never exported)
         self._hold = False  # outs were loaded: they are the export until the next optimizer step
+
+    @property
+    def caster(self) -> FairCaster:
+        return self.state.caster
+
+    @property
+    def residuals(self) -> list[torch.Tensor] | None:
+        """Error feedback: per param, the residual (1-D, padded shard size, the configured residual
+        dtype; :attr:`state`'s, in :attr:`names` order), else None."""
+        return [self.state.residuals[n] for n in self.names] if self.state.method.needs_residual else None
+
+    def shards(self) -> list[Shard]:
+        """Per param, its padded fp32 shard and :attr:`outs` buffer (FSDP may replace the shard's
+        storage, e.g. on a load: read anew at each export)."""
+        return [Shard(name, compat.padded_shard(fp), out, runs, counted)
+                for name, fp, out, runs, counted in zip(self.names, self.params, self.outs, self.runs, self.counted)]
 
     def stale(self) -> bool:
         """The masters changed since the last export (or there was none)."""
@@ -79,11 +103,10 @@ class FsdpExport:
         the DTensor's, not its local tensor's, whose ops run below autograd) and its shard's identity."""
         return [(id(fp.sharded_param), fp.sharded_param._version, id(compat.padded_shard(fp))) for fp in self.params]
 
-    @torch.no_grad()
     def export(self) -> None:
-        """Cast every local fp32 shard into :attr:`outs` at the current export step (one fused call)."""
-        masters = [compat.padded_shard(fp) for fp in self.params]
-        self.caster.cast_tensors(masters, self.outs, self.fragments, self.residuals)
+        """Cast every local fp32 shard into :attr:`outs` at the current export step (one fused call).
+        The step advances when the optimizer steps (:meth:`stepped`), not here: the cast is lazy."""
+        self.state.export(self.shards(), advance=False)
         self._versions = self.versions()
 
     def ensure(self) -> None:

@@ -24,7 +24,7 @@ def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     Raises:
         ValueError: Fair Cast is not installed on ``model``.
     """
-    if getattr(model, "fair_export", None) is None:
+    if getattr(model, "export_cast", None) is None:
         raise ValueError("fsdp_hooks.served_weights: Fair Cast is not installed on this model (fsdp_hooks.install)")
     for name, shard in served_shards(model).items():
         yield name, shard.full_tensor()
@@ -39,7 +39,7 @@ def served_shards(model: torch.nn.Module) -> dict[str, DTensor]:
     Raises:
         ValueError: Fair Cast is not installed on ``model``.
     """
-    export = getattr(model, "fair_export", None)
+    export = getattr(model, "export_cast", None)
     if export is None:
         raise ValueError("fsdp_hooks.served_shards: Fair Cast is not installed on this model (fsdp_hooks.install)")
     export.ensure()

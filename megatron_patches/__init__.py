@@ -21,7 +21,7 @@ Three ways in, from least to most code:
 3. Code that builds optimizers with ``get_megatron_optimizer`` directly::
 
        optimizer = get_megatron_optimizer(opt_config, model_chunks)
-       install(optimizer, ExportCastConfig(mode="fair", method="error_feedback"), model_chunks,
+       install(optimizer, model_chunks, config=ExportCastConfig(mode="fair", method="error_feedback"),
                telemetry=True)  # then megatron_patches.drift_metrics(optimizer) when logging
 
 See :mod:`megatron_patches.optimizer` for where the cast happens and how checkpoints carry it.
@@ -41,11 +41,14 @@ from faircast_dist import ExportCastConfig
 from faircast_dist.config import ENV, env_config
 from faircast_dist.wraps import Wraps
 from megatron_patches.args import add_export_cast_args, config_from_args, disagreements, with_export_cast_args
-from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install, logger, uninstall
+from faircast_dist.export import warn
+from megatron_patches.optimizer import STATE_KEY, MegatronExport, check_config, install, uninstall
+from megatron_patches.served import served_deltas, served_weights
 from megatron_patches.telemetry import drift_metrics
 
-__all__ = ["activate", "deactivate", "install", "uninstall", "add_export_cast_args", "with_export_cast_args",
-           "config_from_args", "check_config", "drift_metrics", "ExportCastConfig", "MegatronExport", "STATE_KEY"]
+__all__ = ["activate", "deactivate", "install", "uninstall", "served_weights", "served_deltas", "add_export_cast_args",
+           "with_export_cast_args", "config_from_args", "check_config", "drift_metrics", "ExportCastConfig",
+           "MegatronExport", "STATE_KEY"]
 
 
 class _Activation:
@@ -93,9 +96,8 @@ def _args_config() -> ExportCastConfig:
     config = config_from_args(args)
     differ = disagreements(args, env) if env is not None else []
     if differ and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        logger.warning("Fair Cast: the command line overrides %s=%s: %s; the run casts %s (seed %s), as the "
-                       "arguments say", ENV, json.dumps(env.to_dict()), "; ".join(differ),
-                       config.effective_method, config.seed)
+        warn(f"the command line overrides {ENV}={json.dumps(env.to_dict())}: {'; '.join(differ)}; the run "
+             f"casts {config.effective_method} (seed {config.seed}), as the arguments say")
     return config
 
 
@@ -200,7 +202,7 @@ def _installs_fair_cast(active: _Activation, original):
         model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[1]
         chosen = active.config if active.config is not None else _args_config()
         want = active.telemetry if active.telemetry is not None else _args_telemetry()
-        if install(optimizer, chosen, model_chunks, telemetry=want, iteration=_args_iteration):
+        if install(optimizer, model_chunks, config=chosen, telemetry=want, iteration=_args_iteration):
             active.optimizers[:] = [optimizer]  # the one training_log reports
         return optimizer
     get_megatron_optimizer._faircast = True

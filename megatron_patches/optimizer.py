@@ -47,24 +47,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from faircast_dist import ExportCastConfig, FairCaster
-from faircast_dist.caster import adopt_residuals
+from faircast_dist.config import STATE_KEY
 from faircast_dist.copy_hook import ReplaceCopies
+from faircast_dist.export import ExportState, Shard, warn
 from faircast_dist.shards import from_bits, to_bits
 from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
 from faircast_dist.wraps import Wraps
 from megatron_patches import compat
 from megatron_patches.layout import ParamLayout, describe_model, model_entries
 
-logger = logging.getLogger(__name__)
-
-STATE_KEY = "export_cast"
 RESIDUALS_METADATA_KEY = "export_cast_residuals"  # in the checkpoint's content metadata
 RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.residual."
 
@@ -90,27 +87,40 @@ class MegatronExport:
             after the masters were reloaded from the model (see :meth:`reloaded`).
 
     Attributes:
-        residuals: error feedback only: ``{id(model param): tensor}`` shaped like the rank's
-            master shard of that param (``caster.config.residual_dtype``).
+        state: the :class:`~faircast_dist.export.ExportState` (step, residuals and the served copy
+            keyed by ``id(model param)``, telemetry: a DriftObserver with ``install(telemetry=True)``).
     """
 
     def __init__(self, optimizer, caster: FairCaster, layouts: dict, model_chunks,
                  iteration: Callable[[], int | None] | None = None):
-        self.optimizer, self.caster, self.model_chunks = optimizer, caster, list(model_chunks)
+        self.optimizer, self.model_chunks = optimizer, list(model_chunks)
+        self.state = ExportState(caster)
         self.iteration = iteration or (lambda: None)
         self.step_from_iteration = False  # set by reloaded(): the next export takes self.iteration()
         self.distributed = isinstance(optimizer, compat.DistributedOptimizer)
         self.layouts = layouts
-        self.residuals = {}
-        self.served = {}  # error feedback: {id(model param): bf16 copy of the shard's last export}
-        if caster.method.needs_residual:
-            self.residuals = {id(s.model_param): caster.new_residual(s.main) for s in self.shards()}
-            self.served = {id(s.model_param): self._target(s).clone() for s in self.shards()}
         self.stepping = False  # inside the leaf's step_with_ready_grads (see in_step)
         self._internal_load = False
         self._runs = {}  # (id(model param), start, end) -> fused-cast segments of that shard
-        self.telemetry: ExportObserver = ExportObserver()  # a DriftObserver with install(telemetry=True)
         self._counted = {}  # shard key -> counts(shard)
+        if self.state.method.needs_residual:  # residuals from the start (checkpoints hold them), shaped
+            for shard in self.shards():  # like the master shard, and the model's bf16 as what is served
+                self.state.residual(id(shard.model_param), shard.main)
+            self.state.keep_served(self._operands(self.shards(), check=False))
+
+    @property
+    def caster(self) -> FairCaster:
+        return self.state.caster
+
+    @property
+    def residuals(self) -> dict:
+        """Error feedback: ``{id(model param): residual}`` shaped like the rank's master shard of that
+        param (``caster.config.residual_dtype``); empty otherwise (:attr:`state`'s)."""
+        return self.state.residuals
+
+    @property
+    def telemetry(self) -> ExportObserver:
+        return self.state.telemetry
 
     # -- where the masters are ------------------------------------------------------------------
     def shards(self):
@@ -142,18 +152,22 @@ class MegatronExport:
         else:
             self.replay()
 
-    def _operands(self, shards):
-        """``(masters, outs, fragments)`` of one fused call over ``shards`` (see :meth:`export`)."""
-        masters, outs, fragments = [], [], []
-        for k, shard in enumerate(shards):
-            masters.append(shard.main.detach().view(-1))
-            outs.append(self._target(shard))
-            if outs[-1].dtype != torch.bfloat16:
-                raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {outs[-1].dtype}, not bfloat16")
-            fragments += [(k, *run) for run in self._shard_runs(shard)]
-        return masters, outs, fragments
+    def _operands(self, shards, check: bool = True) -> list[Shard]:
+        """The core's :class:`~faircast_dist.export.Shard` of each of ``shards`` (keyed by ``id`` of
+        the model param: a rank holds one range of each).
 
-    @torch.no_grad()
+        Raises:
+            TypeError: ``check`` and a model param that is not bfloat16 (named).
+        """
+        out = []
+        for shard in shards:
+            target = self._target(shard)
+            if check and target.dtype != torch.bfloat16:
+                raise TypeError(f"Fair Cast: model param {shard.layout.name!r} is {target.dtype}, not bfloat16")
+            out.append(Shard(id(shard.model_param), shard.main.detach().view(-1), target, self._shard_runs(shard),
+                             counted=self._counts(shard)))
+        return out
+
     def export(self) -> None:
         """Write the Fair Cast of this rank's masters into its bf16 targets; advance the step.
 
@@ -167,48 +181,15 @@ class MegatronExport:
             iteration = self.iteration()
             if iteration is not None:
                 self.caster.step = int(iteration)
-        shards = self.shards()
-        masters, outs, fragments = self._operands(shards)
-        residuals = [self.residuals[id(s.model_param)].view(-1) for s in shards] if self.residuals else None
+        self.state.export(self._operands(self.shards()))
 
-        def pieces():  # what the telemetry counts: each element once over all ranks
-            return [((id(s.model_param), s.start, s.end), m, o, self._shard_runs(s))
-                    for s, m, o in zip(shards, masters, outs) if self._counts(s)]
-        self.telemetry.begin(pieces)
-        if masters:  # a DP rank may own no bf16 range
-            with self.telemetry.span(masters[0].device):
-                self.caster.cast_tensors(masters, outs, fragments, residuals)
-        self.caster.advance()
-        self.telemetry.end(pieces)
-        self._keep_served(shards)
-
-    @torch.no_grad()
     def replay(self) -> None:
-        """Write the last export into the bf16 targets again, bit for bit: the step does not advance,
-        the residuals and the telemetry are untouched (the served model has not changed).
-
-        Stochastic / dithered rounding recast the unchanged masters with the last export's keys
-        (step - 1); before the first export the model holds the masters' round-to-nearest values
-        (Megatron builds the masters from the bf16 model). Error feedback cannot recompute it (its
-        last export rounded master + the previous residual, which the update overwrote), so it
-        copies the bf16 shard it keeps: 2 bytes per master element of the rank.
-        """
-        shards = self.shards()
-        if self.served:
-            for shard in shards:
-                self._target(shard).copy_(self.served[id(shard.model_param)])
-            return
-        masters, outs, fragments = self._operands(shards)
-        if self.caster.step == 0:
-            for out, master in zip(outs, masters):
-                out.copy_(master)
-        elif masters:
-            self.caster.cast_tensors(masters, outs, fragments, step=self.caster.step - 1)
-
-    def _keep_served(self, shards) -> None:
-        """Error feedback: copy the bf16 targets of ``shards`` (what is served now) into :attr:`served`."""
-        for shard in shards if self.served else ():
-            self.served[id(shard.model_param)].copy_(self._target(shard))
+        """Write the last export into the bf16 targets again, bit for bit (the step does not advance,
+        the residuals and the telemetry are untouched: :meth:`faircast_dist.export.ExportState.replay`).
+        Before the first export the model holds the masters' round-to-nearest values (Megatron builds
+        the masters from the bf16 model); error feedback copies the bf16 shard it keeps: 2 bytes per
+        master element of the rank."""
+        self.state.replay(self._operands(self.shards()))
 
     def _counts(self, shard: _Shard) -> bool:
         """:meth:`counts`, decided once per shard (not every step)."""
@@ -266,9 +247,7 @@ class MegatronExport:
 
     def _served_from_model(self) -> None:
         """The masters were replaced and match the model: zero the residuals, keep what is served."""
-        for r in self.residuals.values():
-            r.zero_()
-        self._keep_served(self.shards())
+        self.state.restart(self._operands(self.shards()))
 
     # -- the wraps (listed by _wrap, each ``original -> replacement``) ----------------------------
     def wrap_copy_skipping_stock(self, copy):
@@ -382,29 +361,23 @@ class MegatronExport:
         """
         if state is None:
             if not self._internal_load:
-                logger.warning("Fair Cast: the optimizer state has no %r entry (a checkpoint saved without "
-                               "Fair Cast?); the residuals start at zero, the export step at the "
-                               "trainer's iteration when known", STATE_KEY)
+                warn(f"the optimizer state has no {STATE_KEY!r} entry (a checkpoint saved without Fair Cast?); "
+                     "the residuals start at zero, the export step at the trainer's iteration when known")
                 self.reloaded()  # the loaded model is what is served (loaded before the optimizer)
             return
         self.caster.step = int(state["step"])
-        self.telemetry.reset()  # the served model is replaced: the next export primes again
         saved = state.get("residual") or {}
-        action, warning = adopt_residuals(self.caster.method, bool(saved), state.get("method"))
-        if action == "zero" and state.get("method") == self.caster.method.value:
+        unrequested = None
+        if not saved and state.get("method") == self.caster.method.value and self.caster.method.needs_residual:
             # written with error feedback, yet no residuals: a load that asks for them gets them or fails,
             # so they were not asked for (metadata that is not the checkpoint's)
-            warning = (f"the checkpoint was written with {state['method']} but its content metadata lacks "
-                       f"{RESIDUALS_METADATA_KEY!r}, so its residuals were not loaded (hand sharded_state_dict the "
-                       "checkpoint's dist_checkpointing.load_content_metadata(), as Megatron-LM's load_checkpoint "
-                       "does): residuals start at zero")
-        if warning is not None:
-            logger.warning("Fair Cast: %s", warning)
+            unrequested = (f"the checkpoint was written with {state['method']} but its content metadata lacks "
+                           f"{RESIDUALS_METADATA_KEY!r}, so its residuals were not loaded (hand sharded_state_dict "
+                           "the checkpoint's dist_checkpointing.load_content_metadata(), as Megatron-LM's "
+                           "load_checkpoint does): residuals start at zero")
+        action = self.state.adopt(bool(saved), state.get("method"), warning=unrequested)
         # the model was loaded first (as Megatron-LM's load_checkpoint does): it is the saved export
-        if action == "zero":
-            self._served_from_model()
-        else:
-            self._keep_served(self.shards())
+        self.state.keep_served(self._operands(self.shards(), check=False))
         if action != "keep":
             return
         for shard in self.shards():
@@ -462,15 +435,16 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
             "a replayed graph would not advance Fair Cast's export step, so every step would reuse one key")
 
 
-def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool = False,
+def install(optimizer, model_chunks, *, config, telemetry: bool = False,
             sample: int = 65536, max_lag: int = 100,
-            iteration: Callable[[], int | None] | None = None) -> list[MegatronExport]:
+            iteration: Callable[[], int | None] | None = None) -> list[ExportState]:
     """Put Fair Cast into a Megatron optimizer built by ``get_megatron_optimizer``.
 
     Args:
         optimizer: the optimizer (a ``ChainedOptimizer`` or a leaf) for ``model_chunks``.
-        config: the export-cast config; with mode ``nearest`` nothing is changed (stock).
         model_chunks: the list of (DDP-wrapped) model chunks the optimizer was built for.
+        config: the export-cast config (an :class:`~faircast_dist.ExportCastConfig` or what
+            ``ExportCastConfig.from_value`` takes); with mode ``nearest`` nothing is changed (stock).
         telemetry: measure drift at every export (a :class:`~faircast_dist.telemetry.DriftSample`
             observer per leaf, read with :func:`megatron_patches.telemetry.drift_metrics`); then this call
             is collective over the default process group (one all-reduce of the model size).
@@ -482,14 +456,16 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
             the step goes on from this optimizer's own count (0 for a fresh one).
 
     Returns:
-        One :class:`MegatronExport` per leaf optimizer (also at ``leaf.export_cast``); ``[]``
-        when ``config`` is not ``fair``.
+        The :class:`~faircast_dist.export.ExportState` of each leaf optimizer (its
+        :class:`MegatronExport` at ``leaf.export_cast``); ``[]`` when ``config`` is not ``fair`` or the
+        optimizer holds no trainable param.
 
     Raises:
         ValueError: bad settings (see :func:`check_config`), or a param missing from the model's
             sharded_state_dict.
         NotImplementedError: Megatron FSDP, FP8/FP4 params, optimizer classes not covered.
     """
+    config = ExportCastConfig.from_value(config) if not isinstance(config, ExportCastConfig) else config
     if not config.enabled:
         return []
     leaves = [o for o in compat.sub_optimizers(optimizer) if not compat.is_stub(o)]
@@ -518,7 +494,7 @@ def install(optimizer, config: ExportCastConfig, model_chunks, telemetry: bool =
     _print_rank_0(f"Fair Cast: master->bf16 export cast uses {config.effective_method} (seed {config.seed}) on "
                   f"{', '.join(type(o).__name__ for o in leaves)}, replacing the round-to-nearest copy in "
                   f"{compat.COPY_TO_MODEL}")
-    return exports
+    return [export.state for export in exports]
 
 
 def _print_rank_0(message: str) -> None:
@@ -537,7 +513,7 @@ def _start_telemetry(exports: list[MegatronExport], sample: int, max_lag: int) -
         torch.distributed.all_reduce(total)
     stride = sample_stride(int(total.item()), sample)
     for export in exports:
-        export.telemetry = DriftObserver(stride, max_lag, device=export.device())
+        export.state.telemetry = DriftObserver(stride, max_lag, device=export.device())
 
 
 def _wrap(leaf, export: MegatronExport) -> None:
@@ -558,7 +534,7 @@ def _wrap(leaf, export: MegatronExport) -> None:
     wraps.wrap(leaf, compat.COPY_TO_MAIN, functools.partial(_then, export.reloaded))
     wraps.wrap(leaf, "sharded_state_dict", export.wrap_sharded_state_dict)
     wraps.wrap(leaf, "load_state_dict", export.wrap_load_state_dict)
-    wraps.set(leaf, "export_cast", export)
+    wraps.set(leaf, STATE_KEY, export)
 
 
 def _then(then, original):
@@ -575,5 +551,5 @@ def uninstall(optimizer) -> None:
     """Undo :func:`install` on every leaf of ``optimizer``: the stock methods again (the bf16 model
     keeps what was served). No-op on a leaf without Fair Cast."""
     for leaf in compat.sub_optimizers(optimizer):
-        while "export_cast" in vars(leaf):  # installed twice (e.g. activate(), then install()): all of them
-            leaf.export_cast.wraps.uninstall()
+        while STATE_KEY in vars(leaf):  # installed twice (e.g. activate(), then install()): all of them
+            getattr(leaf, STATE_KEY).wraps.uninstall()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rl_grpo  # noqa: E402
+from rl.engines import RolloutEngine, VllmEngine  # noqa: E402
 
 
 def main() -> None:
@@ -62,9 +63,9 @@ def main() -> None:
         dist.all_reduce(sync, op=dist.ReduceOp.MAX)
         return dict(layout=name, tok_s=statistics.median(rates[1:]), sync_ms=sync.item())
 
-    rows = [run("HF generate, a bf16 copy per rank", rl_grpo.RolloutEngine(model, task.eos, task.pad))]
+    rows = [run("HF generate, a bf16 copy per rank", RolloutEngine(model, task.eos, task.pad))]
     t0 = time.perf_counter()
-    shared = rl_grpo.VllmEngine(model, task.eos, task.pad, args.out_dir)
+    shared = VllmEngine(model, task.eos, task.pad, args.out_dir)
     start_shared = time.perf_counter() - t0
     rows.append(run("vLLM, one engine on rank 0 for both ranks", shared))
     if rank == 0:
@@ -73,7 +74,7 @@ def main() -> None:
     dist.barrier()
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(rank)  # each rank's engine worker on its own core
     t0 = time.perf_counter()
-    own = rl_grpo.VllmEngine(model, task.eos, task.pad, os.path.join(args.out_dir, f"rank{rank}"), per_rank=True)
+    own = VllmEngine(model, task.eos, task.pad, os.path.join(args.out_dir, f"rank{rank}"), per_rank=True)
     start_own = time.perf_counter() - t0
     rows.append(run("vLLM, one engine per rank", own))
     if rank == 0:

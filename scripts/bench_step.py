@@ -138,7 +138,7 @@ def time_fsdp2_arm(model, batches, arm: str, seed: int, warmup: int, steps: int,
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
-    fsdp_hooks.install(model, optimizer, export_cast_config(arm, seed))
+    fsdp_hooks.install(model, optimizer, config=export_cast_config(arm, seed))
     def forward_backward(ids, labels):
         model(input_ids=ids, labels=labels).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the DeepSpeed config's gradient_clipping

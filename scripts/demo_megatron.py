@@ -132,7 +132,7 @@ def build(args, hf):
                                  **{k: v for k, v in vars(args).items() if k in fields})
     optimizer = get_megatron_optimizer(opt_config, [model])
     config = megatron_patches.config_from_args(args)  # refuses fair without --bf16, names the flag
-    megatron_patches.install(optimizer, config, [model], telemetry=True)  # what Megatron-LM would log
+    megatron_patches.install(optimizer, [model], config=config, telemetry=True)  # what Megatron-LM would log
     return model, optimizer, config
 
 

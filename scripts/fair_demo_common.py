@@ -121,7 +121,7 @@ class Exports:
     def __init__(self, names, master0, seed, max_lag, lag_sample, eval_model, eval_batch,
                  to_eval: Optional[Callable[[dict], dict]] = None, counted: Optional[dict] = None,
                  export_threads: int = 1):
-        from faircast_dist import FairCaster
+        from faircast_dist.export import ExportState
         from faircast_dist.telemetry import LagTracker
         self.names = list(names)
         self.counted = dict(counted or {})
@@ -131,7 +131,7 @@ class Exports:
                                  f"{tuple(master0[n].shape) if n in master0 else '(no such param)'}, "
                                  f"got {mask.dtype} {tuple(mask.shape)}")
         self.numel = sum(self._count(n, master0[n]) for n in self.names)
-        self.casters = {m: FairCaster(export_cast_config(m, seed)) for m in METHODS}
+        self.states = {m: ExportState(export_cast_config(m, seed), replays=False) for m in METHODS}  # the core
         self.served = {m: {n: master0[n].to(torch.bfloat16) for n in self.names} for m in METHODS}
         # each method's next export is written into its spare set, which then swaps with the served
         # one: like a trainer's bf16 buffers, allocated once, so the export column times the cast only
@@ -172,20 +172,17 @@ class Exports:
         return (f"Fused cast kernels built/loaded by the first call of the process in {self.load_ms:.0f} ms "
                 f"(not in the export ms column, which times one fused call over the whole model per method)")
 
-    def export(self, caster, master, out) -> dict:
-        """One export of ``master`` (``{name: float32}``) by ``caster`` into ``out`` (``{name:
-        bfloat16 tensor}``, preallocated like a trainer's bf16 params): one fused multi-tensor call
-        over every param, as a trainer's own export is; returns ``out``."""
-        masters = [master[n].contiguous().view(-1) for n in self.names]
-        outs = [out[n].view(-1) for n in self.names]
-        rows = [(k, n, 0, m.numel(), 0) for k, (n, m) in enumerate(zip(self.names, masters))]
-        residuals = None
-        if caster.method == "error_feedback":
-            for n, m in zip(self.names, masters):
-                if n not in caster.residuals:
-                    caster.residuals[n] = caster.new_residual(m)
-            residuals = [caster.residuals[n] for n in self.names]
-        caster.cast_tensors(masters, outs, rows, residuals)
+    def export(self, state, master, out) -> dict:
+        """One export of ``master`` (``{name: float32}``) by ``state`` (an
+        :class:`~faircast_dist.export.ExportState`) into ``out`` (``{name: bfloat16 tensor}``,
+        preallocated like a trainer's bf16 params): one fused multi-tensor call over every param, as
+        a trainer's own export is, then the export step advances; returns ``out``."""
+        from faircast_dist.export import Shard
+        shards = []
+        for n in self.names:
+            m = master[n].contiguous().view(-1)
+            shards.append(Shard(n, m, out[n].view(-1), [(n, 0, m.numel(), 0)]))
+        state.export(shards)
         return out
 
     def _count(self, name, tensor) -> int:
@@ -224,12 +221,11 @@ class Exports:
         first = self.steps % len(METHODS)
         self.steps += 1
         for m in METHODS[first:] + METHODS[:first]:
-            caster, threads = self.casters[m], torch.get_num_threads()
+            threads = torch.get_num_threads()
             torch.set_num_threads(self.export_threads)
             try:
                 t0 = time.perf_counter()
-                served = self.export(caster, master, self.spare[m])
-                caster.advance()
+                served = self.export(self.states[m], master, self.spare[m])
                 export_ms = 1e3 * (time.perf_counter() - t0)
             finally:
                 torch.set_num_threads(threads)

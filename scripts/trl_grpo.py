@@ -133,7 +133,7 @@ class FairCastFSDP2(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         import fsdp_hooks
-        if fsdp_hooks.install(model, optimizer, self.config) is None or not state.global_step:
+        if not fsdp_hooks.install(model, optimizer, config=self.config) or not state.global_step:
             return
         import torch.distributed.checkpoint as dcp
         from fsdp_hooks.checkpoint import ExportCastState
@@ -143,7 +143,7 @@ class FairCastFSDP2(TrainerCallback):
         dcp.load({"export_cast": ExportCastState(model)}, checkpoint_id=folder)
 
     def on_save(self, args, state, control, model=None, **kwargs):
-        if getattr(model, "fair_export", None) is None:
+        if getattr(model, "export_cast", None) is None:
             return
         import torch.distributed.checkpoint as dcp
         from fsdp_hooks.checkpoint import ExportCastState
@@ -156,7 +156,7 @@ def fair_fsdp2_params(self, module):
     Cast: the served bf16 weights, the bits the policy computes with, under vLLM's names, instead of
     each fp32 param's ``full_tensor()``. Collective. PEFT models: TRL's own (not handled here)."""
     import fsdp_hooks
-    if getattr(module, "fair_export", None) is None:
+    if getattr(module, "export_cast", None) is None:
         yield from _TRL_ITER_FSDP2(self, module)
         return
     for name, weight in fsdp_hooks.served_weights(module):
@@ -181,7 +181,7 @@ def record(trainer) -> dict:
     ``master`` (fp32, ``deepspeed.utils.safe_get_full_fp32_param``), ``residual`` (error feedback's,
     full fp32; empty otherwise), ``ref`` (the reference model's bf16 params), both engines' optimizer
     class names, the policy's export method (``caster``, None when stock), whether the reference
-    engine's optimizer has an ``export_caster``, the export step and the global step.
+    engine's optimizer has an ``export_cast``, the export step and the global step.
     """
     from torch.distributed.fsdp import FSDPModule
     if isinstance(trainer.model, FSDPModule):
@@ -190,8 +190,8 @@ def record(trainer) -> dict:
     from deepspeed_hooks.served import served_weights
     engine, ref = trainer.model_wrapped, trainer.ref_model
     params = list(engine.module.named_parameters())
-    caster = getattr(engine.optimizer, "export_caster", None)
-    export = getattr(engine.optimizer, "fair_export", None)
+    export = getattr(engine.optimizer, "export_cast", None)
+    caster = None if export is None else export.caster
     with deepspeed.zero.GatheredParameters(list(ref.module.parameters())):
         ref_params = {n: p.detach().to("cpu", copy=True) for n, p in ref.module.named_parameters()}
     return {
@@ -204,7 +204,7 @@ def record(trainer) -> dict:
         "caster": None if caster is None else f"{caster.method}",
         "export_step": None if caster is None else caster.step,
         "ref_optimizer": type(ref.optimizer).__name__,
-        "ref_has_caster": hasattr(ref.optimizer, "export_caster"),
+        "ref_has_caster": hasattr(ref.optimizer, "export_cast"),
         "global_step": trainer.state.global_step,
     }
 
@@ -214,7 +214,7 @@ def record_fsdp2(trainer) -> dict:
     import fsdp_hooks
     from fsdp_hooks.checkpoint import ExportCastState
     model, ref = trainer.model, trainer.ref_model
-    export = getattr(model, "fair_export", None)
+    export = getattr(model, "export_cast", None)
 
     def full(named):
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", copy=True) for n, p in named}
@@ -230,7 +230,7 @@ def record_fsdp2(trainer) -> dict:
         "caster": None if export is None else f"{export.caster.method}",
         "export_step": None if export is None else export.caster.step,
         "ref_optimizer": None,
-        "ref_has_caster": ref is not None and hasattr(ref, "fair_export"),
+        "ref_has_caster": ref is not None and hasattr(ref, "export_cast"),
         "global_step": trainer.state.global_step,
     }
 

@@ -7,17 +7,12 @@ DP=1 and DP=2 (docs/design.md), and any difference comes from the export cast.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port
 
 
 def tiny_model() -> torch.nn.Module:
@@ -141,16 +136,16 @@ def _worker(rank, world_size, port, opts, out_path):
         from deepspeed.runtime import bf16_optimizer, utils
         from deepspeed.runtime.zero import stage_1_and_2
         deepspeed_hooks.uninstall(engine)
-        wrapped = ("step", "state_dict", "load_state_dict", "export_caster", "fair_export",
+        wrapped = ("step", "state_dict", "load_state_dict", "export_cast",
                    "_reassign_or_swap_out_partitioned_parameters")
         restored = (not any(n in vars(engine.optimizer) for n in wrapped)
                     and not any(n in vars(engine) for n in ("save_checkpoint", "load_checkpoint", "step"))
                     and stage_1_and_2.all_gather_dp_groups is utils.all_gather_dp_groups
                     and bf16_optimizer.all_gather_dp_groups is utils.all_gather_dp_groups)
-    export = getattr(engine.optimizer, "fair_export", None)
+    export = getattr(engine.optimizer, "export_cast", None)
     if opts["monitor_sample"]:  # watch a smaller sample than the default (the tiny model is smaller)
         from deepspeed_hooks.monitor import DriftMonitor
-        export.telemetry = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names),
+        export.state.telemetry = DriftMonitor(sum(getattr(p, "ds_numel", p.numel()) for p in engine.param_names),
                                     sample=opts["monitor_sample"])
     first = 0
     if opts["load_dir"]:
@@ -186,7 +181,7 @@ def _worker(rank, world_size, port, opts, out_path):
         master, residual = preset_state(numel)
         record["preset"] = {}
         for config in opts["preset"]:
-            export.caster = engine.optimizer.export_caster = FairCaster(config)
+            export.state.caster = FairCaster(config)
             export.caster.step = 1
             load_full(export, master)
             if export.caster.method == "error_feedback":
@@ -244,7 +239,7 @@ def _worker(rank, world_size, port, opts, out_path):
     record["method"] = export.caster.method if export else None
     if reference is not None:
         record["reference"] = {"optimizer": type(reference.optimizer).__name__,
-                               "fair": hasattr(reference.optimizer, "fair_export"), "bf16": gathered(reference.module)}
+                               "fair": hasattr(reference.optimizer, "export_cast"), "bf16": gathered(reference.module)}
     record["export_step"] = export.caster.step if export else None
     torch.save(record, f"{out_path}.{rank}.tmp")
     os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}")  # complete, or absent

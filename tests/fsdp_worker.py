@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ds_worker import free_port
+from helpers import free_port
 
 DIM = 13
 
@@ -95,7 +95,7 @@ def full(t) -> torch.Tensor:
 
 
 def setup(job: dict):
-    """Model, AdamW and install as the job says (``mesh``, ``tp``, ``export_cast``)."""
+    """Model, AdamW and install as the job says (``mesh``, ``tp``, ``export_cast``; ``install`` False: none)."""
     import fsdp_hooks
     model = build(tuple(job.get("mesh", (dist.get_world_size(),))), job.get("tp", False), job.get("group", False),
                   job.get("ac", False))
@@ -104,8 +104,11 @@ def setup(job: dict):
         optimizer = DataSGD(model.parameters(), lr=lr)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=kind == "fused")
-    caster = fsdp_hooks.install(model, optimizer, job.get("export_cast"))
-    return model, optimizer, caster
+    if not job.get("install", True):  # left to fsdp_hooks.activate (faircast-run)
+        return model, optimizer, []
+    states = fsdp_hooks.install(model, optimizer, config=job.get("export_cast"), telemetry="telemetry" in job,
+                                sample=job.get("telemetry", 65536))
+    return model, optimizer, states
 
 
 class DataSGD(torch.optim.Optimizer):
@@ -125,7 +128,7 @@ class DataSGD(torch.optim.Optimizer):
 def snapshot(model) -> dict:
     """The served weights, full masters and (error feedback) full residuals now (collective)."""
     import fsdp_hooks
-    export = getattr(model, "fair_export", None)
+    export = getattr(model, "export_cast", None)
     from torch.distributed.fsdp import FSDPModule
     for module in model.modules():  # the root (and reshard_after_forward=False) keep params unsharded after
         if isinstance(module, FSDPModule):  # forward; the backward gathers them again
@@ -145,13 +148,15 @@ def snapshot(model) -> dict:
 
 def train_steps(model, optimizer, steps, first=0, gradless=False) -> list[dict]:
     """``steps`` optimizer steps on the shared batches; one :func:`snapshot` per step, taken after
-    the forward (what it computed with) and before the update. ``gradless``: one more ``step()``
+    the forward (what it computed with) and before the update, with the drift telemetry of that
+    forward's export (None without ``install(telemetry=True)``). ``gradless``: one more ``step()``
     after each, with every grad None (it changes no master, the export step still advances)."""
+    import fsdp_hooks
     records = []
     for step in range(first, first + steps):
         x, y = batch(step)
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        records.append({**snapshot(model), "loss": loss.item()})
+        records.append({**snapshot(model), "loss": loss.item(), "drift": fsdp_hooks.drift_metrics(model)})
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -168,7 +173,7 @@ def train(job: dict) -> dict:
     model, optimizer, _ = setup({**job, "export_cast": None} if late else job)
     train_steps(model, optimizer, late)
     if late:
-        fsdp_hooks.install(model, optimizer, job["export_cast"])
+        fsdp_hooks.install(model, optimizer, config=job["export_cast"])
     if job.get("uninstall"):
         fsdp_hooks.uninstall(model)
     steps = train_steps(model, optimizer, job.get("steps", 3), late, job.get("gradless", False))
@@ -214,14 +219,13 @@ def save_half(job: dict) -> dict:
 
 def resume(job: dict) -> dict:
     """Load ``dir`` into a new model of this layout and train ``steps`` more from step ``first``."""
-    import warnings
     from fsdp_hooks import checkpoint
+    from helpers import logged_warnings
     model, optimizer, _ = setup(job)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged_warnings() as caught:
         checkpoint.load(model, optimizer, job["dir"])
     steps = train_steps(model, optimizer, job["steps"], job["first"])
-    return {"steps": steps, "final": snapshot(model), "warnings": [str(w.message) for w in caught]}
+    return {"steps": steps, "final": snapshot(model), "warnings": caught}
 
 
 def deltas(job: dict) -> dict:
@@ -258,7 +262,7 @@ def refuse(job: dict) -> dict:
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), **kwargs)
     params = [torch.nn.Parameter(torch.zeros(3))] if job.get("foreign") else model.parameters()
     try:
-        fsdp_hooks.install(model, torch.optim.AdamW(params), {"mode": "fair"})
+        fsdp_hooks.install(model, torch.optim.AdamW(params), config={"mode": "fair"})
     except Exception as err:
         return {"raised": type(err).__name__, "message": str(err)}
     return {"raised": None}

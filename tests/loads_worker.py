@@ -96,7 +96,7 @@ def _worker(rank, world_size, port, path, folder, out_path):
         engine.step()
 
     def state(engine):
-        export = engine.optimizer.fair_export
+        export = engine.optimizer.export_cast
         return {"served": {n: t.reshape(-1).clone() for n, t in served_weights(engine, bucket_bytes=1024)},
                 "master": export.gather(), "residual": export.gather(RESIDUAL_KEY), "step": export.caster.step,
                 "hyper": [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]}

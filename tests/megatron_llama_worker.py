@@ -98,7 +98,7 @@ def _worker(rank, tp, port, model_name, dtype_name, tiny, out_path):
 
 def run(tp: int, model: str = "tiny", dtype: str = "fp32", tiny: dict | None = None) -> dict:
     """Spawn ``tp`` ranks (TP=tp, PP=1, DP=1); rank 0's record (see the module docstring)."""
-    from megatron_worker import free_port
+    from helpers import free_port
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record.pt")
         mp.spawn(_worker, args=(tp, free_port(), model, dtype, tiny, out), nprocs=tp, join=True)

@@ -26,7 +26,6 @@ import dataclasses
 import io
 import os
 import re
-import socket
 import tempfile
 import traceback
 import zlib
@@ -34,13 +33,9 @@ import zlib
 import torch
 import torch.multiprocessing as mp
 
+from helpers import free_port, logged_warnings
+
 SEQ, MBS, MICRO, VOCAB = 8, 2, 2, 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- model and optimizer ---------------------------------------------------------------------------
@@ -120,7 +115,7 @@ def build(tp, pp, distopt: bool, export_cast, fp16=False, how="install", telemet
     else:
         optimizer = core_optimizer.get_megatron_optimizer(opt_cfg, model)
         if how in ("install", "uninstall"):
-            megatron_patches.install(optimizer, config, model, telemetry=telemetry is not None,
+            megatron_patches.install(optimizer, model, config=config, telemetry=telemetry is not None,
                                      sample=telemetry or 1)  # how == "none": stock
         if how == "uninstall":  # installed, then undone: stock from here on
             megatron_patches.uninstall(optimizer)
@@ -425,6 +420,7 @@ def _run_job(tp, pp, job: dict) -> dict:
     reload (call reload_model_params at the end), param_buffer (compare the two copy paths),
     rebuild_after (step numbers after which the bf16 model is offloaded and rebuilt from the masters),
     moe (a MoE GPT: :data:`MOE` overrides; EP / expert TP as the launch's ``run(..., ep=, etp=)``),
+    served_weights (record megatron_patches.served_weights and served_deltas after the steps),
     megatron_lm (the argv of the stand-in Megatron-LM's ``parse_args``; ``args`` records the parsed
     ``export_cast*``), env (``FAIRCAST_EXPORT_CAST`` during the job). ``export_cast`` is what the
     reference cast uses: the config the job must run."""
@@ -517,6 +513,11 @@ def _run_job(tp, pp, job: dict) -> dict:
         record["args"] = {k: v for k, v in vars(lm.global_vars.get_args()).items() if k.startswith("export_cast")}
     if job.get("param_buffer"):
         record["param_buffer"] = _compare_copy_paths(model, optimizer)
+    if job.get("served_weights"):  # megatron_patches.served_weights / served_deltas after the last step
+        import megatron_patches
+        from faircast_dist.delta import DeltaTracker
+        record["served_weights"] = {n: w.view(torch.int16).clone() for n, w in megatron_patches.served_weights(model)}
+        record["served_deltas"] = [(n, len(i)) for n, i, _ in megatron_patches.served_deltas(model, DeltaTracker())]
     if job.get("reload"):
         optimizer.reload_model_params()
         record["after_reload"] = snapshot(model, optimizer, ef)
@@ -588,23 +589,6 @@ def _compare_copy_paths(model, optimizer):
         for k, v in residuals.items():
             export.residuals[k].copy_(v)
     return results
-
-
-@contextlib.contextmanager
-def logged_warnings():
-    """The messages megatron_patches logs at WARNING or above meanwhile (a list, filled as they come)."""
-    import logging
-    messages = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-    handler, log = Collect(logging.WARNING), logging.getLogger("megatron_patches")
-    log.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        log.removeHandler(handler)
 
 
 @contextlib.contextmanager

@@ -130,8 +130,8 @@ def run_stage(stage: int, model_path: str, initial: dict[str, torch.Tensor]) -> 
 
     engine = actor.model
     opt = engine.optimizer
-    caster = getattr(opt, "export_caster", None)
-    export = getattr(opt, "fair_export", None)
+    export = getattr(opt, "export_cast", None)
+    caster = None if export is None else export.caster
     rec = {"stage": stage, "world": WORLD, "zero_stage": engine.zero_optimization_stage(),
            "optimizer": type(opt).__name__, "loss": float(loss.detach()),
            "export_caster": type(caster).__name__ if caster is not None else None,
@@ -185,8 +185,7 @@ def run_stage(stage: int, model_path: str, initial: dict[str, torch.Tensor]) -> 
         ref_equal = all(bits_equal(p.detach(), initial[n].to(torch.bfloat16)) for n, p in ref_params)
     rec.update(ref_optimizer=type(ref_engine.optimizer).__name__ if ref_engine.optimizer is not None else None,
                ref_zero_stage=ref_engine.zero_optimization_stage(),
-               ref_fair_export=hasattr(ref_engine.optimizer, "fair_export"),
-               ref_export_caster=hasattr(ref_engine.optimizer, "export_caster"),
+               ref_export_cast=hasattr(ref_engine.optimizer, "export_cast"),
                ref_equal_initial_bf16=ref_equal and [n for n, _ in ref_params] == list(initial))
     engine.destroy()
     ref_engine.destroy()

@@ -104,6 +104,23 @@ def test_a_script_that_imports_the_adapters_first_is_turned_on():
     assert "RESULT True True" in launch(code, SR7)
 
 
+def test_faircast_run_turns_fsdp2_on_at_the_first_optimizer_step(monkeypatch):
+    """Two spawned FSDP2 ranks whose script never calls fsdp_hooks (the start-up hook of faircast-run in
+    each): the forward before the first step is stock round-to-nearest, every later one computes with
+    and serves the reference cast at export steps 1, 2, ..., as with an explicit install."""
+    import fsdp_worker
+    from test_fsdp import assert_same, reference_exports
+    for name, value in faircast_run.launch_env(SR7).items():
+        monkeypatch.setenv(name, value)
+    (rec,) = fsdp_worker.run(2, [{"fn": "train", "install": False, "export_cast": None, "steps": 3}])
+    assert "error" not in rec, rec.get("traceback")
+    snaps = rec["steps"] + [rec["final"]]
+    assert "served" not in snaps[0]  # nothing installed before the first step
+    assert [s["step"] for s in snaps[1:]] == [1, 2, 3]
+    for k, (snap, ref) in enumerate(zip(snaps[1:], reference_exports("stochastic", snaps[1:]))):
+        assert_same(snap["served"], ref, f"step {k + 1}")
+
+
 def test_without_the_variable_nothing_is_installed_and_a_shadowed_sitecustomize_still_runs(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import builtins; builtins.SHADOWED_RAN = True\n")
     code = ("import sys, builtins, deepspeed, deepspeed_hooks; "

@@ -3,11 +3,8 @@ import pytest
 import torch
 
 from faircast_dist import FairCaster
+from helpers import bits
 from faircast_dist.delta import DeltaTracker, apply_deltas, diff, index_dtype, payload_bytes
-
-
-def bits(t):
-    return t.view(torch.int16)
 
 
 @pytest.mark.parametrize("method", ["nearest", "stochastic", "error_feedback", "dithered"])

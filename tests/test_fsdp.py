@@ -5,6 +5,7 @@ import torch
 
 import fsdp_worker
 from faircast_dist import ExportCastConfig, FairCaster, rounding
+from helpers import bits
 
 METHODS = ("stochastic", "error_feedback", "dithered")
 LAYOUTS = {"fsdp1": (1, {"mesh": (1,)}), "fsdp2": (2, {"mesh": (2,)}), "fsdp4": (4, {"mesh": (4,)}),
@@ -12,6 +13,7 @@ LAYOUTS = {"fsdp1": (1, {"mesh": (1,)}), "fsdp2": (2, {"mesh": (2,)}), "fsdp4": 
            "grouped": (2, {"mesh": (2,), "group": True}),  # fully_shard([block, head]), as accelerate does
            "ac": (2, {"mesh": (2,), "ac": True})}  # activation checkpointing wrappers: the same canonical names
 STEPS = 4  # uninterrupted; the resumes save after HALF and train the rest
+TELEMETRY = {"fsdp2": 300, "hsdp": 300, "tp": 65536}  # layout: telemetry sample (300: a stride > 1)
 HALF = 2
 
 
@@ -29,6 +31,9 @@ def records(tmp_path_factory):
         for m in METHODS:
             jobs[world] += [{**opts, "id": (layout, "train", m), "fn": "train", "export_cast": cfg(m), "steps": STEPS},
                             {**opts, "id": (layout, "fixed", m), "fn": "fixed", "export_cast": cfg(m)}]
+            if m == "stochastic" and layout in TELEMETRY:
+                jobs[world].append({**opts, "id": (layout, "telemetry"), "fn": "train", "export_cast": cfg(m),
+                                    "steps": STEPS, "telemetry": TELEMETRY[layout]})
             if layout in ("fsdp1", "fsdp4", "grouped"):
                 jobs[world].append({**opts, "id": (layout, "resume", m), "fn": "resume", "export_cast": cfg(m),
                                     "dir": saves[m], "steps": STEPS - HALF, "first": HALF})
@@ -58,6 +63,9 @@ def records(tmp_path_factory):
                 {"id": ("fsdp2", "save_refusals"), "fn": "save_refusals", "export_cast": cfg("error_feedback"),
                  "dir": str(tmp / "refusals")},
                 {"id": ("fsdp2", "deltas"), "fn": "deltas", "export_cast": cfg("dithered"), "steps": 4}]
+    # the adoption rule through DCP: every (saved, loaded) method pair, one step after the load
+    jobs[2] += [{"id": ("fsdp2", "adopt", saved, m), "fn": "resume", "export_cast": cfg(m), "dir": saves[saved],
+                 "steps": 1, "first": HALF} for saved in ("stock", *METHODS) for m in METHODS]
     jobs[4] += [{"id": ("fsdp4", "refuse", name), "fn": "refuse", **job} for name, job in REFUSALS_JOBS.items()]
     out = {}
     for world in (2, 4, 1):
@@ -70,10 +78,6 @@ def get(records, *key):
     record = records[key]
     assert "error" not in record, record.get("traceback")
     return record
-
-
-def bits(t):
-    return t.contiguous().view(-1).view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 def assert_same(a: dict, b: dict, what: str):
@@ -134,6 +138,31 @@ def test_the_forward_computes_with_the_served_bits(layout, method, records):
     assert torch.equal(rec["logits"], rec["plain_logits"])
 
 
+@pytest.mark.parametrize("layout", list(TELEMETRY))
+def test_drift_telemetry_equals_the_gathered_models(layout, records):
+    """Every rank measures only the shard it casts, each element once (HSDP replicas and TP-replicated
+    params on their first replica): the reduced numbers are those of one DriftSample fed the whole
+    gathered model at each step, primed with stock FSDP2's round-to-nearest of the initial masters."""
+    from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
+    steps = get(records, layout, "telemetry")["steps"]
+
+    def pieces(masters, served):
+        return [(n, m.reshape(-1), s.reshape(-1), [(n, 0, m.numel(), 0)]) for (n, m), s in zip(masters.items(), served)]
+    first = steps[0]["masters"]
+    drift = DriftSample(sample_stride(sum(m.numel() for m in first.values()), TELEMETRY[layout]))
+    assert (drift.stride > 1) == (TELEMETRY[layout] < 1000)
+    drift.prime(pieces(first, [m.to(torch.bfloat16) for m in first.values()]))
+    for k, step in enumerate(steps):
+        drift.observe(pieces(step["masters"], [step["served"][n] for n in step["masters"]]))
+        want, got = reduce_drift([drift]), step["drift"]
+        assert got.keys() == {f"export_cast/{name}" for name in want}, got
+        for name in ("changed_fraction", "gap_ulps"):
+            assert got[f"export_cast/{name}"] == pytest.approx(want[name], rel=1e-9), (k, name)
+        assert got["export_cast/lag_steps"] == want["lag_steps"], k
+        assert got["export_cast/export_ms"] > 0 and got["export_cast/changed_fraction"] > 0, k
+    assert get(records, layout, "train", "stochastic")["steps"][0]["drift"] is None  # telemetry off: nothing
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_layout_invariance_one_master_trajectory(method, records):
     """One master trajectory exported under FSDP 1/2/4, HSDP 2x2, FSDP + TP 2x2 and a grouped
@@ -170,6 +199,30 @@ def test_a_stock_checkpoint_resumes_error_feedback_from_zero_residuals_at_the_op
     first = rec["steps"][0]
     assert first["step"] == HALF
     assert_same(first["served"], reference_exports("error_feedback", [first])[0], "first export after the load")
+
+
+@pytest.mark.parametrize("saved", ["stock", *METHODS])
+@pytest.mark.parametrize("now", METHODS)
+def test_every_saved_and_loaded_method_pair_follows_the_one_rule(saved, now, records):
+    """faircast_dist.export.ExportState.adopt through fsdp_hooks.checkpoint: residuals kept exactly
+    (error feedback on both sides), zero with one warning (error feedback from a checkpoint without
+    them), dropped with one warning (error feedback's checkpoint, another method now); the step is the
+    checkpoint's (a stock one: the optimizer's), and the first export after the load is the reference."""
+    rec = get(records, "fsdp2", "adopt", saved, now)
+    first = rec["steps"][0]
+    assert first["step"] == HALF
+    ours = [w for w in rec["warnings"] if "holds no Fair Cast state" not in w and "seed" not in w]
+    if now == "error_feedback":
+        assert len(ours) == (0 if saved == "error_feedback" else 1), rec["warnings"]
+        if saved == "error_feedback":  # kept exactly: the resumed run is the uninterrupted one
+            assert_same(first["residual"], get(records, "fsdp2", "train", now)["steps"][HALF]["residual"], "residual")
+        else:
+            assert "residuals start at zero" in ours[0]
+    else:
+        assert len(ours) == (1 if saved == "error_feedback" else 0), rec["warnings"]
+        if saved == "error_feedback":
+            assert "dropping them" in ours[0]
+        assert_same(first["served"], reference_exports(now, [first])[0], "first export after the load")
 
 
 def test_off_is_stock_fsdp2(records):
@@ -257,6 +310,6 @@ def test_a_model_without_fully_shard_and_a_bad_config_are_errors_naming_them():
     import fsdp_hooks
     model = fsdp_worker.Tiny()
     with pytest.raises(ValueError, match="no fully_shard-ed module"):
-        fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), "fair")
+        fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), config="fair")
     with pytest.raises(ValueError, match="unknown key"):
-        fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), {"mode": "fair", "metod": "stochastic"})
+        fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), config={"mode": "fair", "metod": "stochastic"})

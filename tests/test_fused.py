@@ -15,6 +15,7 @@ import torch
 from faircast_dist import block_index, derive_key, fused
 from faircast_dist.rounding import cast_stochastic  # the reference: the kernels are tested against it
 from faircast_dist.rounding import BF16_MAX
+from helpers import bits
 from test_philox import KAT, python_philox
 from test_rounding import TINY_SUB, random_fp32_patterns
 
@@ -27,10 +28,6 @@ def _triton_ok():
 BACKENDS = [pytest.param("cpu"),
             pytest.param("triton", marks=pytest.mark.skipif(not _triton_ok(), reason="triton is not installed"))]
 SIZE = {"cpu": 1 << 17, "triton": 1 << 11}  # elements per random test (the interpreter is slow)
-
-
-def bits(t):
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
 def assert_same_bits(got, want):
@@ -313,7 +310,7 @@ def test_caster_cast_flat_equals_cast_per_fragment(method):
         flat_caster.advance()
         ref_caster.advance()
     if method == "error_feedback":
-        with pytest.raises(ValueError, match="needs the buffer's residual"):
+        with pytest.raises(ValueError, match="needs a residual"):
             flat_caster.cast_flat(x, out, frags)
 
 

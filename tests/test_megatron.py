@@ -19,6 +19,7 @@ import tempfile
 import pytest
 import torch
 
+from helpers import bits
 from megatron_worker import run
 
 SR = {"mode": "fair", "method": "stochastic", "seed": 7}
@@ -42,7 +43,8 @@ BIG = {(2, 1, 2, True), (2, 2, 1, False)}  # 4 ranks: marked slow
 OVERLAP = {"ddp": dict(bucket_size=2000, overlap_grad_reduce=True, overlap_param_gather=True)}
 PRODUCTION = {(1, 1, 2, True): {"overlap": OVERLAP},
               (2, 1, 1, True): {"sp": {"sequence_parallel": True, "ddp": {"grad_reduce_in_fp32": True}}}}  # verl's default
-REBUILT = [(1, 1, 2, True), (1, 1, 2, False)]  # layouts whose bf16 model is offloaded and rebuilt
+REBUILT = [(1, 1, 2, True), (1, 1, 2, False)]
+SERVED = {(1, 1, 2, True): OVERLAP, (1, 2, 1, False): None, (2, 1, 1, True): None}  # layout: production flags  # layouts whose bf16 model is offloaded and rebuilt
 TELEMETRY = {(1, 1, 2, True): 300, (2, 2, 1, False): 300, (1, 1, 2, False): 65536}  # layout: sample size
 # MoE with expert parallelism: (TP, PP, DP, DistOpt, EP, expert TP); the first is the reference. Each
 # shares the launch of its dense layout (TP, PP, DP, DistOpt), which is initialized with this EP and
@@ -86,6 +88,9 @@ def _jobs(layout):
     for flags, production in PRODUCTION.get(layout, {}).items():
         jobs.update({f"{m}_{flags}": dict(export_cast=c, distopt=distopt, steps=3, production=production)
                      for m, c in METHODS.items()})
+    if layout in SERVED:  # the served weights under checkpoint names, whole (PP: from every stage)
+        jobs["served_weights"] = dict(export_cast=DITHER, distopt=layout[3], steps=2, served_weights=True,
+                                      production=SERVED[layout])
     if layout == (1, 1, 2, True):  # a checkpoint of the overlapped run, resumed in resume_run(1, 1, 2)
         jobs["overlap_ef"] = dict(export_cast=EF, distopt=True, steps=STEPS, production=OVERLAP, save=CKPT["overlap_ef"],
                                   save_after=SAVE_AFTER, sharding="dp_reshardable")
@@ -175,10 +180,6 @@ def resume_run(tp, pp, dp):
         layout_run(layout)
     ep, etp = EXPERT_PARALLEL.get((tp, pp, dp, True), (1, None))  # as the layout that saved (MoE jobs)
     return run(tp, pp, dp, RESUMES[(tp, pp, dp)], ep=ep, etp=etp)
-
-
-def bits(t):
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
 def assert_same(a: dict, b: dict, what: str):
@@ -334,6 +335,24 @@ def test_a_model_only_load_continues_the_export_step_from_megatron_lms_iteration
     record = layout_run((1, 1, 2, True))["lm_model_only_load"]
     assert "error" not in record, record.get("error")
     assert record["export_steps"] == [5, 6] and record["mismatch"] == 0
+
+
+@pytest.mark.parametrize("layout", [params(l) for l in SERVED])
+def test_served_weights_are_the_whole_served_model_under_checkpoint_names(layout):
+    """megatron_patches.served_weights on every rank: each param once under its canonical name (global
+    layer numbers, the tied head as the embedding), the bits the model computes with (checked against
+    the gathered model, which the reference cast checked), with --overlap-param-gather's pending
+    all-gather finished; served_deltas' first call (an empty tracker) yields every element."""
+    from megatron_worker import params_of
+    record = layout_run(layout)["served_weights"]
+    assert "error" not in record, record.get("error")
+    assert record["mismatch"] == 0
+    snap, served = record["snaps"][-1], record["served_weights"]
+    want = {name: snap["served"][key][index] for key, name, index in params_of(snap)}
+    assert sorted(served) == sorted(want)
+    for name, w in want.items():
+        assert torch.equal(served[name].reshape(-1), w.reshape(-1).view(torch.int16)), name
+    assert record["served_deltas"] == [(n, served[n].numel()) for n in sorted(served)]
 
 
 # -- FAIRCAST_EXPORT_CAST under Megatron-LM's arguments (faircast-run): the command line wins ---------

@@ -158,7 +158,7 @@ def test_flags_default_to_the_variable_and_the_command_line_wins(fake_megatron_t
     args = parse(fake, ["--bf16", *argv])
     assert config_from_args(args) == want  # the arguments are the config...
     fake.global_vars.get_args = lambda: args
-    with caplog.at_level("WARNING", logger="megatron_patches"):
+    with caplog.at_level("WARNING", logger="faircast"):
         assert megatron_patches._args_config() == want  # ...that runs
     warned = [r.getMessage() for r in caplog.records if "command line overrides" in r.getMessage()]
     assert len(warned) == (1 if overridden else 0), warned

@@ -59,7 +59,7 @@ def check_fair(stdout: str) -> dict[int, dict]:
         assert r["broadcast_names_equal"] and r["broadcast_equal_served_weights"] and r["served_equal_broadcast"], r
         # the reference model: no optimizer, left stock, the initial weights in bf16
         assert (r["ref_zero_stage"], r["ref_optimizer"]) == ((3 if stage == 3 else 0), ref_optimizer), r
-        assert not r["ref_fair_export"] and not r["ref_export_caster"] and r["ref_equal_initial_bf16"], r
+        assert not r["ref_export_cast"] and r["ref_equal_initial_bf16"], r
         assert stdout.count(ACTIVATED.format(optimizer)) == 1, stdout  # the activation line, rank 0 only
     assert stdout.count(LEFT_STOCK) == 2, stdout  # once per stage: the reference engine
     assert stdout.count(LEFT_STOCK + "no optimizer (BF16_Optimizer over DeepSpeed's DummyOptim)") == 1, stdout

@@ -14,6 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import rl_grpo  # noqa: E402
+from rl import engines, stats  # noqa: E402
 
 ARMS = ("nearest", "stochastic", "error_feedback", "fp32")
 CASTS = ARMS[:3]  # the arms served in bf16 (fp32: the oracle, served without rounding)
@@ -23,21 +24,21 @@ def test_compare_arms_counts_wins_ties_losses_against_nearest_with_the_tie_band(
     scores = {0: {"nearest": 50.0, "stochastic": 52.0, "error_feedback": 49.5},
               1: {"nearest": 40.0, "stochastic": 40.5, "error_feedback": 38.0},
               2: {"nearest": 60.0, "stochastic": 61.0, "error_feedback": 70.0}}
-    t = rl_grpo.compare_arms(scores, tie_band=1.0)
+    t = stats.compare_arms(scores, tie_band=1.0)
     # a gain of exactly the band counts (>= 1.0 wins, <= -1.0 loses)
     assert (t["stochastic"]["wins"], t["stochastic"]["ties"], t["stochastic"]["losses"]) == (2, 1, 0)
     assert (t["error_feedback"]["wins"], t["error_feedback"]["ties"], t["error_feedback"]["losses"]) == (1, 1, 1)
     assert t["stochastic"]["mean_gain"] == pytest.approx((2.0 + 0.5 + 1.0) / 3)
     assert t["error_feedback"]["mean_gain"] == pytest.approx((-0.5 - 2.0 + 10.0) / 3)
     assert (t["nearest"]["ties"], t["nearest"]["mean_gain"]) == (3, 0.0)
-    assert rl_grpo.compare_arms(scores, tie_band=0.0)["error_feedback"]["ties"] == 0
+    assert stats.compare_arms(scores, tie_band=0.0)["error_feedback"]["ties"] == 0
     # an equal score ties even with a zero band (held-out accuracy moves in steps of 1/eval_size: equal is common)
-    even = rl_grpo.compare_arms({0: {"nearest": 50.0, "stochastic": 50.0}, 1: {"nearest": 50.0, "stochastic": 49.0}}, 0.0)
+    even = stats.compare_arms({0: {"nearest": 50.0, "stochastic": 50.0}, 1: {"nearest": 50.0, "stochastic": 49.0}}, 0.0)
     assert (even["stochastic"]["wins"], even["stochastic"]["ties"], even["stochastic"]["losses"]) == (0, 1, 1)
     with pytest.raises(ValueError, match="pair 3 has no 'nearest'"):
-        rl_grpo.compare_arms({3: {"stochastic": 1.0}}, tie_band=1.0)
+        stats.compare_arms({3: {"stochastic": 1.0}}, tie_band=1.0)
     with pytest.raises(ValueError, match="tie_band"):
-        rl_grpo.compare_arms(scores, tie_band=-1)
+        stats.compare_arms(scores, tie_band=-1)
 
 
 def test_arm_scores_average_the_last_evals_of_each_arm_and_pair():
@@ -45,62 +46,62 @@ def test_arm_scores_average_the_last_evals_of_each_arm_and_pair():
         (0, "nearest", 0, 10.0), (0, "nearest", 5, 20.0), (0, "nearest", 10, 40.0),
         (0, "stochastic", 0, 10.0), (0, "stochastic", 10, 30.0), (1, "nearest", 10, 5.0)]]
     rows.append(dict(pair_seed=0, arm="nearest", step=3, reward=1.0))  # a step without an eval
-    assert rl_grpo.arm_scores(rows, last=2) == {0: {"nearest": 30.0, "stochastic": 20.0}, 1: {"nearest": 5.0}}
+    assert stats.arm_scores(rows, last=2) == {0: {"nearest": 30.0, "stochastic": 20.0}, 1: {"nearest": 5.0}}
     # the primary score: every eval of the arm (the area under its learning curve), in step order
-    assert rl_grpo.arm_scores(rows) == {0: {"nearest": 70.0 / 3, "stochastic": 20.0}, 1: {"nearest": 5.0}}
-    assert rl_grpo.arm_scores(list(reversed(rows)), last=1)[0]["nearest"] == 40.0  # the last step, not the last row
+    assert stats.arm_scores(rows) == {0: {"nearest": 70.0 / 3, "stochastic": 20.0}, 1: {"nearest": 5.0}}
+    assert stats.arm_scores(list(reversed(rows)), last=1)[0]["nearest"] == 40.0  # the last step, not the last row
 
 
 def test_paired_bootstrap_interval_of_the_mean_gain():
-    assert rl_grpo.paired_bootstrap_ci([0.5, 0.5, 0.5]) == (0.5, 0.5)  # no spread, no width
+    assert stats.paired_bootstrap_ci([0.5, 0.5, 0.5]) == (0.5, 0.5)  # no spread, no width
     gains = [1.0, -0.5, 2.0, 0.0, 1.5, 0.5, -1.0, 3.0]
-    lo, hi = rl_grpo.paired_bootstrap_ci(gains)
-    assert lo < sum(gains) / len(gains) < hi and (lo, hi) == rl_grpo.paired_bootstrap_ci(gains)  # seeded
+    lo, hi = stats.paired_bootstrap_ci(gains)
+    assert lo < sum(gains) / len(gains) < hi and (lo, hi) == stats.paired_bootstrap_ci(gains)  # seeded
     # the percentile interval of the resampled means: close to the normal one, mean +- 1.96 s.e. (n = 8)
     se = torch.tensor(gains).std(unbiased=False).item() / len(gains) ** 0.5
     assert lo == pytest.approx(0.8125 - 1.96 * se, abs=0.15) and hi == pytest.approx(0.8125 + 1.96 * se, abs=0.15)
-    wide, _ = rl_grpo.paired_bootstrap_ci(gains, level=0.99)
+    wide, _ = stats.paired_bootstrap_ci(gains, level=0.99)
     assert wide < lo
-    assert rl_grpo.compare_arms({0: {"nearest": 1.0, "dithered": 2.0}}, 0.0)["dithered"]["gain_ci"] == (1.0, 1.0)
+    assert stats.compare_arms({0: {"nearest": 1.0, "dithered": 2.0}}, 0.0)["dithered"]["gain_ci"] == (1.0, 1.0)
     with pytest.raises(ValueError, match="at least one"):
-        rl_grpo.paired_bootstrap_ci([])
+        stats.paired_bootstrap_ci([])
     with pytest.raises(ValueError, match="level"):
-        rl_grpo.paired_bootstrap_ci(gains, level=1.0)
+        stats.paired_bootstrap_ci(gains, level=1.0)
 
 
 def test_recovery_of_the_oracles_gain_and_its_declared_cut():
-    assert rl_grpo.recovery(1.5, 2.0, tie_band=1.0) == 0.75  # (arm - nearest) / (fp32 - nearest)
-    assert rl_grpo.recovery(-1.0, 2.0, tie_band=1.0) == -0.5  # slower than round-to-nearest
-    assert rl_grpo.recovery(3.0, 2.0, tie_band=1.0) == 1.5
-    assert rl_grpo.recovery(0.4, 0.5, tie_band=1.0) is None  # the oracle gains less than the band: nothing to recover
-    assert rl_grpo.recovery(0.4, -2.0, tie_band=0.0) is None and rl_grpo.recovery(0.0, 0.0, tie_band=0.0) is None
+    assert stats.recovery(1.5, 2.0, tie_band=1.0) == 0.75  # (arm - nearest) / (fp32 - nearest)
+    assert stats.recovery(-1.0, 2.0, tie_band=1.0) == -0.5  # slower than round-to-nearest
+    assert stats.recovery(3.0, 2.0, tie_band=1.0) == 1.5
+    assert stats.recovery(0.4, 0.5, tie_band=1.0) is None  # the oracle gains less than the band: nothing to recover
+    assert stats.recovery(0.4, -2.0, tie_band=0.0) is None and stats.recovery(0.0, 0.0, tie_band=0.0) is None
     scores = {0: {"nearest": 40.0, "fp32": 44.0, "dithered": 43.0}, 1: {"nearest": 50.0, "fp32": 52.0, "dithered": 50.0}}
-    t = rl_grpo.compare_arms(scores, tie_band=1.0)
-    assert rl_grpo.recovery(t["dithered"]["mean_gain"], t["fp32"]["mean_gain"], 1.0) == pytest.approx(1.5 / 3.0)
+    t = stats.compare_arms(scores, tie_band=1.0)
+    assert stats.recovery(t["dithered"]["mean_gain"], t["fp32"]["mean_gain"], 1.0) == pytest.approx(1.5 / 3.0)
 
 
 def test_mean_curves_give_the_mean_and_the_interquartile_band_over_pairs():
     rows = [dict(pair_seed=s, arm="nearest", step=k, lag_steps=v) for s, k, v in
             [(0, 1, 0), (1, 1, 4), (2, 1, 8), (3, 1, 12), (0, 2, 1), (1, 2, 1)]]
     rows += [dict(pair_seed=0, arm="fp32", step=1, lag_steps=99), dict(pair_seed=0, arm="nearest", step=0)]
-    xs, mid, lo, hi = rl_grpo.mean_curves(rows, "nearest", "lag_steps")
+    xs, mid, lo, hi = stats.mean_curves(rows, "nearest", "lag_steps")
     assert xs == [1, 2] and mid == [6.0, 1.0] and lo == [3.0, 1.0] and hi == [9.0, 1.0]  # torch.quantile, linear
 
 
 def test_lag_peak_is_the_highest_mean_lag_over_pairs():
     rows = [dict(pair_seed=s, arm="nearest", step=k, lag_steps=lag) for s, k, lag in
             [(0, 1, 1), (0, 2, 4), (0, 3, 2), (1, 1, 3), (1, 2, 0), (1, 3, 4)]] + [dict(pair_seed=0, arm="nearest", step=0)]
-    assert rl_grpo.lag_peak(rows, "nearest") == 3.0  # step 3: (2 + 4) / 2
+    assert stats.lag_peak(rows, "nearest") == 3.0  # step 3: (2 + 4) / 2
 
 
 def test_reward_rise_is_the_share_of_the_room_climbed():
     rows = [dict(pair_seed=s, arm="fp32", step=k, reward=r) for s, k, r in
             [(0, 1, 0.2), (0, 2, 0.4), (0, 3, 0.5), (0, 4, 0.6), (1, 1, 0.4), (1, 2, 0.4), (1, 3, 0.7), (1, 4, 0.8)]]
     rows.append(dict(pair_seed=0, arm="fp32", step=0, eval_acc=50.0))  # the step-0 eval has no reward
-    first, last, share = rl_grpo.reward_rise(rows, "fp32", window=2)  # steps 1-2: 0.35, steps 3-4: 0.65
+    first, last, share = stats.reward_rise(rows, "fp32", window=2)  # steps 1-2: 0.35, steps 3-4: 0.65
     assert (first, last) == pytest.approx((0.35, 0.65)) and share == pytest.approx(0.30 / 0.65)
-    assert rl_grpo.reward_rise(rows, "fp32", window=30)[:2] == pytest.approx((0.35, 0.65))  # at most half each
-    assert all(x != x for x in rl_grpo.reward_rise(rows, "nearest"))  # no such arm: NaN
+    assert stats.reward_rise(rows, "fp32", window=30)[:2] == pytest.approx((0.35, 0.65))  # at most half each
+    assert all(x != x for x in stats.reward_rise(rows, "nearest"))  # no such arm: NaN
 
 
 def test_state_sha_is_the_starting_policys_fingerprint():
@@ -137,7 +138,7 @@ def test_rollout_engine_load_weights_names_the_bad_param():
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-    engine = rl_grpo.RolloutEngine(LlamaForCausalLM(cfg), eos=1, pad=0)
+    engine = engines.RolloutEngine(LlamaForCausalLM(cfg), eos=1, pad=0)
     w = engine.params["model.norm.weight"]
     with pytest.raises(KeyError, match="no parameter 'bogus'"):
         engine.load_weights([("bogus", w)])
@@ -172,11 +173,11 @@ def _trainer_copy(model):
 def test_behaviour_logprobs_are_the_trainers_token_logprobs_of_the_same_bf16_weights():
     """ratio p_trainer / p_behaviour == 1 on every completion token, with and without left padding."""
     model = _tiny_llama()
-    engine, trainer = rl_grpo.RolloutEngine(model, eos=10, pad=0), _trainer_copy(model)
+    engine, trainer = engines.RolloutEngine(model, eos=10, pad=0), _trainer_copy(model)
     for name, buf in model.named_buffers():  # RoPE inv_freq stays fp32, as in the DeepSpeed trainer
         mine = dict(engine.model.named_buffers())[name]
         assert mine.dtype == buf.dtype and torch.equal(mine, buf), name
-    rl_grpo.check_synced(type("E", (), {"module": trainer})(), engine, "start")  # same params and buffers
+    engines.check_synced(type("E", (), {"module": trainer})(), engine, "start")  # same params and buffers
     for prompts in ([[5, 6, 7] * 4] * 4, [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7] * 3] * 2):
         torch.manual_seed(1)
         roll = engine.generate(prompts, max_new_tokens=24)
@@ -194,30 +195,30 @@ def test_behaviour_logprobs_are_the_trainers_token_logprobs_of_the_same_bf16_wei
 def test_pack_rollouts_aligns_vllm_completions_with_the_trainers_targets():
     """vLLM returns (completion ids, log-probs) per prompt; the packed batch has the HF engine's layout: left-padded
     prompts, each completion token's log-prob at the position that predicts it (target ids[:, 1:])."""
-    out = rl_grpo.pack_rollouts([[5, 6, 7], [8]], [([1, 10], [-0.5, -0.25]), ([2, 3, 10], [-1.0, -2.0, -3.0])], pad=0)
+    out = engines.pack_rollouts([[5, 6, 7], [8]], [([1, 10], [-0.5, -0.25]), ([2, 3, 10], [-1.0, -2.0, -3.0])], pad=0)
     assert out["ids"].tolist() == [[5, 6, 7, 1, 10, 0], [0, 0, 8, 2, 3, 10]]
     assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
     assert out["mask"].tolist() == [[False, False, True, True, False], [False, False, True, True, True]]
     assert out["logp"].tolist() == [[0, 0, -0.5, -0.25, 0], [0, 0, -1.0, -2.0, -3.0]]
     assert out["completions"] == [[1, 10], [2, 3, 10]]
     assert out["ids"][out["mask"].nonzero()[:, 0], out["mask"].nonzero()[:, 1] + 1].tolist() == [1, 10, 2, 3, 10]
-    empty = rl_grpo.pack_rollouts([], [], pad=0)  # a rank with no held-out share
+    empty = engines.pack_rollouts([], [], pad=0)  # a rank with no held-out share
     assert empty["completions"] == [] and empty["mask"].numel() == 0
 
 
 def test_check_synced_compares_buffers_too():
     model = _tiny_llama()
-    engine, trainer = rl_grpo.RolloutEngine(model, eos=10, pad=0), _trainer_copy(model)
+    engine, trainer = engines.RolloutEngine(model, eos=10, pad=0), _trainer_copy(model)
     trainer.model.rotary_emb.inv_freq.mul_(1 + 2**-20)
     with pytest.raises(RuntimeError, match="'model.rotary_emb.inv_freq' differs .* in 8 of 8 elements"):
-        rl_grpo.check_synced(type("E", (), {"module": trainer})(), engine, "here")
+        engines.check_synced(type("E", (), {"module": trainer})(), engine, "here")
 
 
 def test_rollout_engine_samples_the_full_softmax_whatever_the_models_generation_config_says():
     """A checkpoint's generation_config (suppress_tokens, repetition_penalty, min_p, ...) must not reshape
     the sampling distribution behind the recorded (raw softmax) log-probs."""
     model = _tiny_llama(suppress_tokens=[t for t in range(16) if t != 10], repetition_penalty=3.0, min_p=0.5)
-    engine = rl_grpo.RolloutEngine(model, eos=10, pad=0)
+    engine = engines.RolloutEngine(model, eos=10, pad=0)
     torch.manual_seed(0)
     roll = engine.generate([[5, 6, 7]] * 64, max_new_tokens=3)
     assert (roll["ids"][:, 3:][roll["mask"][:, 2:]] != 10).any()  # not only the unsuppressed EOS
@@ -226,7 +227,7 @@ def test_rollout_engine_samples_the_full_softmax_whatever_the_models_generation_
 def test_count_correct_on_an_empty_share_of_the_held_out_set():
     """A rank's share of a held-out set smaller than the world is empty: it scores 0, no generate([])."""
     task = rl_grpo.Task("tiny")
-    engine = rl_grpo.RolloutEngine(_tiny_llama(vocab=256), eos=task.eos, pad=task.pad)
+    engine = engines.RolloutEngine(_tiny_llama(vocab=256), eos=task.eos, pad=task.pad)
     data = task.problems(1, seed=0)
     assert rl_grpo.count_correct(engine, task, data, range(1, 1, 2), 4) == 0
     assert 0 <= rl_grpo.count_correct(engine, task, data, range(0, 1, 2), 4) <= 1

@@ -17,6 +17,8 @@ import tempfile
 import pytest
 import torch
 
+from helpers import bits
+
 pytest.importorskip("trl")
 pytestmark = pytest.mark.slow  # six launches of ~30 s each on 2 cores
 
@@ -53,10 +55,6 @@ def launch(stage: int | str, method: str, stock: bool = False, steps: int = STEP
     return out, records, log
 
 
-def bits(t):
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
 def assert_same(a: dict, b: dict):
     assert a.keys() == b.keys() and a
     for n in a:
@@ -77,7 +75,7 @@ def initial_weights(out):
 def test_stochastic_serves_other_than_round_to_nearest_and_trl_sync_sends_the_served_weights(stage):
     out, (rec, rec1), log = launch(stage, "stochastic")
     assert differs_from_rtn(rec) > 0.02 * sum(t.numel() for t in rec["served"].values())
-    assert rec["caster"] == "stochastic"  # the policy engine's optimizer has export_caster
+    assert rec["caster"] == "stochastic"  # the policy engine's optimizer has export_cast
     assert rec["global_step"] == rec["export_step"] == STEPS
     assert f"export cast uses stochastic (seed 1234) on {rec['optimizer']}" in log
     # what TRL's own vLLM sync (VLLMGeneration._iter_named_params) sends == served_weights(engine)
@@ -89,7 +87,7 @@ def test_stochastic_serves_other_than_round_to_nearest_and_trl_sync_sends_the_se
 @pytest.mark.parametrize("stage", [2, 3])
 def test_reference_model_is_left_stock(stage):
     """TRL's reference model (trl/models/utils.py prepare_deepspeed: the training config, no optimizer,
-    stage 0 unless ZeRO-3) is not cast: no export_caster, and its bf16 params are the initial fp32
+    stage 0 unless ZeRO-3) is not cast: no export_cast, and its bf16 params are the initial fp32
     weights rounded to nearest, untouched by training."""
     out, (rec, _), log = launch(stage, "stochastic")
     assert not rec["ref_has_caster"]

@@ -26,7 +26,7 @@ def report(tmp_path_factory):
 @pytest.mark.slow
 def test_every_push_reads_back_as_the_served_weights(report):
     pushes = report["pushes"]
-    # 2 stages x 4 methods x (2 full updates + 3 delta steps), and the README's 3 snippet runs
+    # 2 stages x 4 methods x (2 full updates + 3 delta steps), and docs/deepspeed.md's 3 snippet runs
     assert len(pushes) == 43 and sum(p["kind"] == "readme" for p in pushes) == 3
     wrong = [(p["where"], p["wrong"]) for p in pushes if p["wrong"]]
     assert not wrong, wrong

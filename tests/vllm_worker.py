@@ -1,5 +1,5 @@
 """Served weights from a DeepSpeed trainer into a real vLLM engine through VllmReceiver (torchrun, 2 ranks).
-The README's "Serving the weights" snippets run here as written (ZeRO-2).
+docs/deepspeed.md's "Serving the weights" snippets run here as written (ZeRO-2).
 
     torchrun --standalone --nproc_per_node 2 tests/vllm_worker.py OUT_JSON
 
@@ -19,6 +19,8 @@ import tempfile
 
 import torch
 
+from helpers import bits
+
 METHODS = ("nearest", "stochastic", "error_feedback", "dithered")
 # head_dim 32 (vLLM's CPU attention needs >= 32), GQA (fused qkv of unequal parts), tied embeddings
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -32,19 +34,15 @@ def tiny_llama():
 
 
 def readme_snippets() -> list[str]:
-    """The Python blocks of the README's "Serving the weights" section, as written there."""
+    """The Python blocks of docs/deepspeed.md's "Serving the weights" section, as written there."""
     import re
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "deepspeed.md")) as f:
         text = f.read()
-    section = text[text.index("### Serving the weights"):text.index("### Telemetry")]
+    section = text[text.index("## Serving the weights"):text.index("## Telemetry")]
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
 ENGINE_LINE = 'llm = vllm.LLM(model=hf_dir, dtype="bfloat16")'
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.int16)
 
 
 def main(out_json: str) -> None:
@@ -81,8 +79,8 @@ def main(out_json: str) -> None:
             return
         recv = recv or receiver
         engine_side = recv.read()
-        wrong = [n for n, t in served.items() if not torch.equal(bits(engine_side[n]), bits(t))]
-        if not torch.equal(bits(engine_side["lm_head.weight"]), bits(served["model.embed_tokens.weight"])):
+        wrong = [n for n, t in served.items() if not torch.equal(bits(engine_side[n].reshape(-1)), bits(t.reshape(-1)))]
+        if not torch.equal(bits(engine_side["lm_head.weight"].reshape(-1)), bits(served["model.embed_tokens.weight"].reshape(-1))):
             wrong.append("lm_head.weight (tied)")
         recv.verify()
         moved = {k: recv.totals[k] - seen[k] for k in seen} if recv is receiver else {}  # since the previous check
@@ -130,7 +128,7 @@ def main(out_json: str) -> None:
                     else:
                         receiver.apply(deltas)
                 check(where + f"/deltas step {step}" + (", one tensor a call" if step == 1 else ""), engine, "delta")
-            if (stage, method) == (2, "dithered"):  # the README's snippets, as written (ZeRO-2: rank 0 alone sends)
+            if (stage, method) == (2, "dithered"):  # docs/deepspeed.md's snippets, as written (ZeRO-2: rank 0 alone sends)
                 full, delta = readme_snippets()
                 assert ENGINE_LINE in full  # the engine is this test's own (test settings: no tokenizer, eager)
                 ns = {"llm": receiver.llm if rank == 0 else None, "engine": engine}
@@ -167,7 +165,7 @@ def main(out_json: str) -> None:
             except (KeyError, TypeError, ValueError) as err:
                 report["errors"][what] = f"{type(err).__name__}: {err}"
             receiver.verify()  # nothing was written: the engine still serves the copy
-        report["copy_unchanged"] = all(torch.equal(bits(receiver.weights[n]), bits(t)) for n, t in w.items())
+        report["copy_unchanged"] = all(torch.equal(bits(receiver.weights[n].reshape(-1)), bits(t.reshape(-1))) for n, t in w.items())
         # a NaN served value (Fair Cast keeps NaN a NaN): vLLM's sparse path reserves NaN, so it goes whole-layer
         for recv in (VllmReceiver(receiver.llm), receiver):
             recv.apply([(name, torch.tensor([5]), torch.tensor([float("nan")], dtype=torch.bfloat16))])

@@ -3,7 +3,8 @@
 With ``FAIRCAST_EXPORT_CAST`` set, the first import of ``deepspeed`` is followed at once by
 ``deepspeed_hooks.patch_deepspeed()``, and that of ``megatron.core.optimizer`` by
 ``megatron_patches.activate()`` (whose ``--export-cast*`` flags then default to the variable's
-config, so the command line wins): before any other module can bind their
+config, so the command line wins), and that of ``torch.distributed.fsdp`` by ``fsdp_hooks.activate()``
+(FSDP2 models are installed at their optimizer's first step): before any other module can bind their
 functions by name. A script that imports the adapter first (``import megatron_patches``, which
 imports the framework) is turned on as soon as the adapter is defined. Without the variable nothing
 is installed. It imports nothing heavy itself (no
@@ -30,11 +31,14 @@ def _turn_on(adapter: str, call: str):
 
 
 # deepspeed_hooks.patch_deepspeed(); megatron_patches.activate(), whose --export-cast* flags then
-# default to the variable's config (a flag on the command line wins)
+# default to the variable's config (a flag on the command line wins); fsdp_hooks.activate(), which
+# installs at an optimizer's first step on the fully_shard-ed models it steps
 HOOKS = {"deepspeed": _turn_on("deepspeed_hooks", "patch_deepspeed"),
          "deepspeed_hooks": _turn_on("deepspeed_hooks", "patch_deepspeed"),
          "megatron.core.optimizer": _turn_on("megatron_patches", "activate"),
-         "megatron_patches": _turn_on("megatron_patches", "activate")}
+         "megatron_patches": _turn_on("megatron_patches", "activate"),
+         "torch.distributed.fsdp": _turn_on("fsdp_hooks", "activate"),
+         "fsdp_hooks": _turn_on("fsdp_hooks", "activate")}
 
 
 class AfterImport(importlib.abc.MetaPathFinder):

@@ -1,0 +1,217 @@
+"""One rank's export state, written once for every adapter (docs/design.md, "The adapter protocol").
+
+An adapter (DeepSpeed, Megatron, FSDP2, a fourth one) finds the rank's *shards* — an fp32 master
+slice, the bf16 tensor it is served into and the global element offsets of its param runs — and
+wires the framework's hooks to call :meth:`ExportState.export` when the masters have been stepped
+and :meth:`ExportState.replay` when the framework copies the masters again outside a step. Everything
+else is here, once: the caster and its export step, the error-feedback residuals keyed by shard, the
+served copy error feedback replays from, the telemetry observer, the rule for a checkpoint's residuals
+(:meth:`ExportState.adopt`) and the one warning channel (:func:`warn`).
+
+Saving and loading stay the adapter's glue (each framework checkpoints its own way: DeepSpeed's
+optimizer state, Megatron's ``sharded_state_dict``, DCP for FSDP2); it reads and writes
+:attr:`ExportState.residuals` and :attr:`ExportState.step`, and calls :meth:`ExportState.adopt` once per load.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Hashable, MutableMapping, Sequence
+
+import torch
+
+from faircast_dist.caster import FairCaster, adopt_residuals
+from faircast_dist.config import ExportCastConfig, Method
+from faircast_dist.telemetry import ExportObserver
+
+#: Fair Cast's one warning channel, in every adapter: WARNING, which a default launch shows (Python's
+#: last-resort handler writes it to stderr when nothing configured logging).
+logger = logging.getLogger("faircast")
+
+
+def warn(message: str) -> None:
+    """Log ``message`` on Fair Cast's warning channel (:data:`logger`), prefixed ``"Fair Cast: "``."""
+    logger.warning("Fair Cast: %s", message)
+
+
+@dataclasses.dataclass
+class Shard:
+    """One piece of a rank's masters and where it is served.
+
+    Attributes:
+        key: names the shard on this rank, the same at every export (e.g. ``id`` of its param, or
+            ``(id, start, end)``); residuals and the served copy are kept under it.
+        master: float32 1-D contiguous tensor: the fp32 master elements the rank casts.
+        out: bfloat16 1-D tensor indexed like ``master``: what the rank serves (written in place).
+        runs: ``(param name, start in the shard, numel, global index of its first element)`` per run
+            of consecutive global indices (:func:`faircast_dist.shards.index_runs`).
+        counted: the drift telemetry counts this shard on this rank (each element once over all ranks).
+    """
+
+    key: Hashable
+    master: torch.Tensor
+    out: torch.Tensor
+    runs: Sequence[tuple[str, int, int, int]]
+    counted: bool = True
+
+
+class ExportState:
+    """The export state of one rank of one adapter instance (an optimizer, a model).
+
+    Args:
+        config: an :class:`~faircast_dist.ExportCastConfig` (or what ``ExportCastConfig.from_value``
+            takes), or a :class:`~faircast_dist.FairCaster` to use as is.
+
+        residuals: where the residuals live (default: a dict of their own); an adapter whose
+            framework checkpoints a state of its own may back them with it (a mutable mapping:
+            DeepSpeed keeps them in the optimizer state, so DeepSpeed's checkpoints carry them).
+        replays: the framework writes the served tensors again outside a step (Megatron copies the
+            masters into its bf16 params on a load or a rebuild): error feedback keeps what each export
+            served for :meth:`replay`. False where the served buffers are the adapter's own (FSDP2).
+
+    Attributes:
+        caster: the :class:`~faircast_dist.FairCaster`: config, method and export step.
+        residuals: error feedback: ``{shard key: residual}`` shaped like the shard's master (the
+            config's residual dtype), created as zeros at a shard's first cast; empty otherwise.
+        served: error feedback with ``replays``: ``{shard key: bfloat16 copy of what the last export served}``, for
+            :meth:`replay` (the last export cannot be recomputed once the update overwrote the
+            residual it rounded); 2 bytes per master element, not checkpointed. Empty otherwise.
+        telemetry: the :class:`~faircast_dist.telemetry.ExportObserver` every export calls (the
+            default measures nothing; an adapter with telemetry on puts a ``DriftObserver`` here).
+    """
+
+    def __init__(self, config=None, residuals: MutableMapping | None = None, replays: bool = True):
+        self.caster = config if isinstance(config, FairCaster) else FairCaster(config)
+        self.replays = replays
+        self.residuals: MutableMapping[Hashable, torch.Tensor] = {} if residuals is None else residuals
+        self.served: dict[Hashable, torch.Tensor] = {}
+        self.telemetry: ExportObserver = ExportObserver()
+
+    @property
+    def config(self) -> ExportCastConfig:
+        return self.caster.config
+
+    @property
+    def method(self) -> Method:
+        return self.caster.method
+
+    @property
+    def step(self) -> int:
+        """Exports done (keys stochastic rounding's bits)."""
+        return self.caster.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.caster.step = int(value)
+
+    # -- the cast ---------------------------------------------------------------------------------------
+    def residual(self, key: Hashable, master: torch.Tensor) -> torch.Tensor | None:
+        """Error feedback: the residual of shard ``key`` (created as zeros shaped like ``master`` at
+        first use); else None."""
+        if not self.method.needs_residual:
+            return None
+        residual = self.residuals.get(key)
+        if residual is None:
+            residual = self.residuals[key] = self.caster.new_residual(master)
+        return residual
+
+    @torch.no_grad()
+    def cast(self, shards: Sequence[Shard], step: int | None = None) -> None:
+        """Cast ``shards`` into their ``out`` at export ``step`` (default: the current one) in one fused
+        multi-tensor call (:meth:`FairCaster.cast_tensors`); error feedback updates their residuals.
+        Advances nothing."""
+        if not shards:
+            return
+        fragments = [(k, *run) for k, s in enumerate(shards) for run in s.runs]
+        residuals = [self.residual(s.key, s.master).view(-1) for s in shards] if self.method.needs_residual else None
+        self.caster.cast_tensors([s.master for s in shards], [s.out for s in shards], fragments, residuals,
+                                 step=step)
+
+    def pieces(self, shards: Sequence[Shard]) -> list[tuple]:
+        """What the telemetry measures of ``shards`` (:meth:`DriftSample.observe`'s pieces)."""
+        return [(s.key, s.master, s.out, s.runs) for s in shards if s.counted]
+
+    def export(self, shards: Sequence[Shard], advance: bool = True) -> None:
+        """One export of the rank's masters: cast every shard (telemetry around it), advance the
+        export step, and (error feedback) keep what is served for :meth:`replay`.
+
+        ``advance``: False where the adapter counts the export step itself (FSDP2 advances it at each
+        optimizer step and casts lazily, at the first all-gather after it)."""
+        pieces = lambda: self.pieces(shards)  # noqa: E731  (called only by an observer that measures)
+        self.telemetry.begin(pieces)
+        if shards:
+            with self.telemetry.span(shards[0].master.device):
+                self.cast(shards)
+        if advance:
+            self.caster.advance()
+        self.telemetry.end(pieces)
+        self.keep_served(shards)
+
+    @torch.no_grad()
+    def keep_served(self, shards: Sequence[Shard]) -> None:
+        """Error feedback (with :attr:`replays`): copy each shard's ``out`` (what is served now) into
+        :attr:`served`."""
+        if not (self.replays and self.method.needs_residual):
+            return
+        for s in shards:
+            kept = self.served.get(s.key)
+            if kept is None:
+                self.served[s.key] = s.out.detach().clone()
+            else:
+                kept.copy_(s.out)
+
+    @torch.no_grad()
+    def replay(self, shards: Sequence[Shard]) -> None:
+        """Write the last export into the shards' ``out`` again, bit for bit: the step does not
+        advance, the residuals and the telemetry are untouched (the served model has not changed).
+
+        Stochastic and dithered rounding recast the unchanged masters with the last export's keys;
+        before the first export the shards get the masters' round-to-nearest values (frameworks
+        build the masters from the bf16 model). Error feedback copies :attr:`served`.
+
+        Raises:
+            KeyError: error feedback, a shard with no served copy (never exported nor kept).
+        """
+        if self.method.needs_residual:
+            for s in shards:
+                s.out.copy_(self.served[s.key])
+        elif self.step == 0:
+            for s in shards:
+                s.out.copy_(s.master)
+        else:
+            self.cast(shards, step=self.step - 1)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def restart(self, shards: Sequence[Shard]) -> None:
+        """The masters were replaced and match what is served (a model-only load, a weight reload):
+        zero the residuals and keep what is served."""
+        for residual in self.residuals.values():
+            residual.zero_()
+        self.keep_served(shards)
+
+    def adopt(self, saved: bool, saved_method: str | Method | None = None, warning: str | None = None) -> str:
+        """Apply the one rule for a loaded checkpoint's residuals
+        (:func:`faircast_dist.caster.adopt_residuals`) and warn once when they are not kept.
+
+        Args:
+            saved: the checkpoint holds error-feedback residuals (for this rank).
+            saved_method: the method the checkpoint was written with, when it records one.
+            warning: the adapter's own account, logged instead of the rule's when residuals are not
+                kept (e.g. Megatron: residuals written but not requested; ``""``: nothing, the
+                adapter has said it).
+
+        Returns:
+            ``"keep"`` (the adapter copies the saved residuals into :attr:`residuals`), ``"zero"``
+            (residuals zeroed here), ``"drop"`` (the saved ones are ignored) or ``"none"``.
+        """
+        action, message = adopt_residuals(self.method, saved,
+                                          None if saved_method is None else str(saved_method))
+        if action == "zero":
+            for residual in self.residuals.values():
+                residual.zero_()
+        if warning is not None and action in ("zero", "drop"):
+            message = warning
+        if message:
+            warn(message)
+        self.telemetry.reset()  # the served model is replaced: the next export primes again
+        return action

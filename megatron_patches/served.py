@@ -1,0 +1,49 @@
+"""The served bf16 weights of a megatron-core model with Fair Cast, whole, under Megatron's
+checkpoint names: for an inference engine's ``load_weights`` (after the engine adapter's name map,
+e.g. ``scripts/megatron_llama.py``), or as deltas since the previous sync."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from faircast_dist.delta import DeltaTracker
+from megatron_patches.gather import gather_full
+
+
+def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, bf16 tensor of the param's full shape)`` for every param once, in sorted name
+    order, on every rank: exactly the bits the model computes with after the optimizer step.
+
+    Names are the model's checkpoint keys with global layer numbers (``decoder.layers.<layer>.<rest>``;
+    the tied output weight is served once, as ``embedding.word_embeddings.weight``; SwiGLU ``fc1`` as
+    the full ``[gate; up]`` param), each element from its main copy (:func:`megatron_patches.gather.gather_full`).
+    With ``--overlap-param-gather`` the param all-gather the next forward would finish is finished
+    first, as Megatron-LM does before an evaluation or a save.
+
+    Collective over the default process group: every rank must run the generator (one reduce of the
+    whole model's elements, as int32 bits; host memory about 3x the model's element count).
+
+    Args:
+        model: this rank's model chunk or list of chunks (DDP-wrapped, any TP/PP/DP layout).
+    """
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        if getattr(chunk, "use_forward_hook", False):  # megatron-core DDP with --overlap-param-gather
+            chunk.disable_forward_pre_hook(param_sync=True)
+            chunk.enable_forward_pre_hook()
+    yield from gather_full(list(chunks), lambda p: p.detach(), dst=None).items()
+
+
+def served_deltas(model, tracker: DeltaTracker) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Yield ``(name, index, values)`` for every param: the served bf16 elements whose bits changed
+    since ``tracker`` last saw them (see :mod:`faircast_dist.delta`; the first call yields every
+    element), every rank the same. Collective, as :func:`served_weights`.
+
+    Args:
+        model: as for :func:`served_weights`.
+        tracker: a :class:`faircast_dist.delta.DeltaTracker` used only with this model (each rank
+            keeps a bf16 copy of the whole model in it).
+    """
+    for name, weight in served_weights(model):
+        yield (name, *tracker.diff(name, weight))
