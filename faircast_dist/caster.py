@@ -61,7 +61,7 @@ class FairCaster:
     """
 
     def __init__(self, config=None):
-        self.config = config if isinstance(config, ExportCastConfig) else ExportCastConfig.from_value(config)
+        self.config = ExportCastConfig.from_value(config)
         self.step = 0
         self.residuals: dict[str, torch.Tensor] = {}
 

@@ -60,8 +60,9 @@ class ExportCastConfig:
 
     Args:
         mode: ``"nearest"`` (stock round-to-nearest; Fair Cast off) or ``"fair"``.
-        method: with ``mode="fair"``, ``"stochastic"`` (stochastic rounding, fresh random bits
-            at every export, stateless), ``"error_feedback"`` (a residual per element;
+        method: with ``mode="fair"``, a :class:`Method` or its spelling (held as the
+            :class:`Method`): ``"stochastic"`` (stochastic rounding, fresh random bits at every
+            export, stateless), ``"error_feedback"`` (a residual per element;
             ``"error-feedback"`` is accepted) or ``"dithered"`` (stochastic rounding with a
             per-element dither fixed across exports: unbiased, stateless, a served weight
             changes only when its master crosses its own threshold; see
@@ -75,7 +76,7 @@ class ExportCastConfig:
     """
 
     mode: str = "nearest"
-    method: str = "stochastic"
+    method: Method = Method.STOCHASTIC
     seed: int = 1234
     residual_dtype: str = "float32"
 
@@ -86,6 +87,7 @@ class ExportCastConfig:
             raise ConfigError(f"export_cast.mode must be one of {MODES}, got {self.mode!r}", "mode")
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise ConfigError(f"export_cast.method must be one of {METHODS}, got {self.method!r}", "method")
+        object.__setattr__(self, "method", Method(self.method))  # held as the enum the kernels take
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
             raise ConfigError(f"export_cast.seed must be an int64, got {self.seed!r}", "seed")
         if not isinstance(self.residual_dtype, str) or self.residual_dtype not in RESIDUAL_DTYPES:
@@ -100,16 +102,20 @@ class ExportCastConfig:
     @property
     def effective_method(self) -> Method:
         """What the cast really does: :attr:`Method.NEAREST` unless the mode is ``"fair"``."""
-        return Method(self.method) if self.enabled else Method.NEAREST
+        return self.method if self.enabled else Method.NEAREST
 
     @classmethod
     def from_value(cls, value: Any) -> "ExportCastConfig":
-        """Parse a config section: None (off), a mode string, or a dict of the fields above.
+        """Parse a config section: None (off), a mode string, or a dict of the fields above (an
+        :class:`ExportCastConfig` is returned as it is).
 
         Raises:
-            ConfigError: (a ``ValueError``) on an unknown key (named, with the allowed keys) or a bad value.
-            TypeError: when ``value`` is neither None, str nor dict.
+            ConfigError: (a ``ValueError``) on an unknown key (named, with the allowed keys), a bad value,
+                or a non-empty dict without ``"mode"`` (its other keys would be ignored).
+            TypeError: when ``value`` is neither None, str, dict nor a config.
         """
+        if isinstance(value, cls):
+            return value
         if value is None:
             return cls()
         if isinstance(value, str):
@@ -120,11 +126,14 @@ class ExportCastConfig:
         unknown = sorted(set(value) - set(allowed))
         if unknown:
             raise ConfigError(f"unknown key(s) in export_cast: {unknown}; allowed keys are {allowed}")
+        if value and "mode" not in value:  # {"method": "error_feedback"} alone would be stock, silently
+            raise ConfigError(f"export_cast {value!r} has no \"mode\": give \"mode\": \"fair\" for Fair Cast "
+                              "(or \"nearest\" for stock round-to-nearest)", "mode")
         return cls(**value)
 
     def to_dict(self) -> dict:
         """The fields as plain values (``{"mode": str, "method": str, "seed": int, "residual_dtype": str}``)."""
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "method": self.method.value}
 
 
 def env_config(environ=os.environ) -> ExportCastConfig | None:

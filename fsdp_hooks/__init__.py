@@ -75,7 +75,7 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config=
         NotImplementedError: ``reshard_after_forward=<int>``, a param whose local tensor already
             has an all-gather extension (e.g. float8 training), or a second install.
     """
-    config = config if isinstance(config, ExportCastConfig) else ExportCastConfig.from_value(config)
+    config = ExportCastConfig.from_value(config)
     if not config.enabled:
         _log("Fair Cast: off (export_cast mode nearest): FSDP2's round-to-nearest all-gather input is kept")
         return []
@@ -150,14 +150,21 @@ def activate(config=None) -> None:
     :func:`install` (what an explicit ``install`` after the first forward does): the forward before the
     first step computes with FSDP2's round-to-nearest, every export from the first step on with Fair
     Cast, keyed from export step 0 as an explicit install. A model no optimizer steps (a reference
-    model) stays stock. Two global hooks: a module forward pre-hook (records ``FSDPModule`` objects; an
-    ``isinstance`` per module call) and an optimizer step pre-hook (a set lookup per step).
+    model) stays stock, and so does one an explicit :func:`install` (or this activation, through another
+    optimizer of the same model) covers already. A step before any forward (DCP's ``get_state_dict``
+    initialises the optimizer state with one) waits for the next. Two global hooks: a module forward
+    pre-hook (records ``FSDPModule`` objects; an ``isinstance`` per module call) and an optimizer step
+    pre-hook (a set lookup per step).
 
     Args:
         config: the export-cast config (what :func:`install` takes); None: ``FAIRCAST_EXPORT_CAST``'s,
             read at each install (nothing is installed while it is unset or ``nearest``).
+
+    Raises:
+        ValueError / TypeError: a bad ``config`` (named key).
     """
     global _ACTIVE
+    config = None if config is None else ExportCastConfig.from_value(config)  # a bad one fails here
     if _ACTIVE is not None:
         _ACTIVE.config = config
         return
@@ -181,19 +188,29 @@ def deactivate() -> None:
 
 
 def _install_at_first_step(active: _Activation, optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook of :func:`activate`: at ``optimizer``'s first step, :func:`install` on the
-    outermost models seen in a forward whose params it holds."""
+    """Optimizer step pre-hook of :func:`activate`: :func:`install` on the outermost models seen in a
+    forward whose params ``optimizer`` holds and that no install covers yet (an explicit one, or one made
+    for another optimizer of the same model: the first optimizer to step counts the export steps). The
+    optimizer is looked at again at its next step until every sharded param it holds is covered: a step
+    before any forward (DCP's ``get_state_dict`` initialises the optimizer state with one) decides
+    nothing, and an install that raised is tried again."""
     if optimizer in active.done:
         return
-    active.done.add(optimizer)
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    models = [m for m in list(active.seen)
-              if getattr(m, STATE_KEY, None) is None and any(id(p) in held for p in m.parameters())]
-    inner = {id(sub) for m in models for sub in m.modules() if sub is not m}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     config = active.config if active.config is not None else env_config()
-    for model in models:
-        if id(model) not in inner and config is not None:
-            install(model, optimizer, config=config)
+    if config is not None and config.enabled:
+        seen = list(active.seen)
+        covered = {id(sub) for m in seen if getattr(m, STATE_KEY, None) is not None for sub in m.modules()}
+        held = {id(p) for p in params}
+        models = [m for m in seen if id(m) not in covered and any(id(p) in held for p in m.parameters())]
+        inner = {id(sub) for m in models for sub in m.modules() if sub is not m}
+        for model in models:
+            if id(model) not in inner:
+                install(model, optimizer, config=config)
+    from torch.distributed.tensor import DTensor
+    installed = {id(p) for m in list(active.seen) if getattr(m, STATE_KEY, None) is not None for p in m.parameters()}
+    if config is None or not config.enabled or all(id(p) in installed for p in params if isinstance(p, DTensor)):
+        active.done.add(optimizer)  # nothing left to install for it
 
 
 def drift_metrics(model: torch.nn.Module) -> dict[str, float] | None:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from faircast_dist.config import STATE_KEY as KEY
-from faircast_dist.export import warn
+from faircast_dist.export import ExportState, warn
 
 
 class ExportCastState(Stateful):
@@ -77,7 +77,8 @@ def _adopt(ex, state: dict, saved_residuals: bool) -> None:
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: str) -> None:
     """``dcp.save`` of ``{"model", "optimizer"}`` (``get_state_dict``) and the Fair Cast state under
-    :data:`KEY`, into a new folder (one per step, as torchtitan's ``step-N``). Collective.
+    :data:`KEY` (none for a model without Fair Cast: a stock checkpoint), into a new folder (one per
+    step, as torchtitan's ``step-N``). Collective.
 
     Written to ``checkpoint_id + ".partial"`` and renamed to ``checkpoint_id`` by rank 0 once every
     rank has written (DCP overwrites data files in place): a save killed midway leaves no folder
@@ -94,7 +95,10 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
         shutil.rmtree(partial)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd, KEY: ExportCastState(model)}, checkpoint_id=partial)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    if getattr(model, KEY, None) is not None:  # a stock model (Fair Cast off) saves a stock checkpoint
+        state[KEY] = ExportCastState(model)
+    dcp.save(state, checkpoint_id=partial)
     _barrier()
     if rank0:
         os.rename(partial, checkpoint_id)
@@ -113,11 +117,18 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     Without Fair Cast state, the export step becomes the optimizer's step count (AdamW's
     ``state["step"]``) and error feedback starts from zero residuals (a warning says so); a
     checkpoint of another method keeps its step, and error-feedback residuals are dropped or
-    started at zero as :func:`faircast_dist.caster.adopt_residuals` rules.
+    started at zero as :meth:`faircast_dist.export.ExportState.adopt` rules. Into a model without
+    Fair Cast (mode ``nearest``, no install) only the model and the optimizer are loaded (residuals
+    in the checkpoint are dropped, with the warning).
     """
     model_sd, optim_sd = get_state_dict(model, optimizer)
     saved = set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
     state = {"model": model_sd, "optimizer": optim_sd}
+    if getattr(model, KEY, None) is None:  # Fair Cast off: model and optimizer only, residuals dropped
+        dcp.load(state, checkpoint_id=checkpoint_id)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        ExportState().adopt(any(s.startswith(f"{KEY}.residual.") for s in saved))
+        return
     ours = ExportCastState(model)
     request = {k: v for k, v in ours.state_dict().items()
                if any(s == f"{KEY}.{k}" or s.startswith(f"{KEY}.{k}.") for s in saved)}

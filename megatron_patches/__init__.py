@@ -189,7 +189,7 @@ def _adds_export_cast_args(original_add):
     ``FAIRCAST_EXPORT_CAST``'s config where it is set."""
     @functools.wraps(original_add)
     def add_megatron_arguments(parser, *args, **kwargs):
-        return add_export_cast_args(original_add(parser, *args, **kwargs), env_config())
+        return add_export_cast_args(original_add(parser, *args, **kwargs))
     return add_megatron_arguments
 
 

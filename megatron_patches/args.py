@@ -16,7 +16,7 @@ import argparse
 from typing import Callable, Optional
 
 from faircast_dist import ExportCastConfig
-from faircast_dist.config import METHODS, RESIDUAL_DTYPES, ConfigError
+from faircast_dist.config import METHODS, RESIDUAL_DTYPES, ConfigError, env_config
 
 GROUP_TITLE = "export cast (Fair Cast)"
 FLAG_METHODS = tuple(m.replace("_", "-") for m in METHODS)  # the flag spells error_feedback error-feedback
@@ -32,20 +32,21 @@ def add_export_cast_args(parser: argparse.ArgumentParser,
 
     Args:
         parser: Megatron-LM's argument parser.
-        defaults: what the flags default to (``faircast-run`` passes ``FAIRCAST_EXPORT_CAST``'s
-            config); None: :class:`ExportCastConfig`'s defaults (stock round to nearest).
+        defaults: what the flags default to; None: ``FAIRCAST_EXPORT_CAST``'s config where it is set
+            (under ``faircast-run``: so the command line wins over the variable), else
+            :class:`ExportCastConfig`'s defaults (stock round to nearest).
 
     Returns:
         ``parser`` (Megatron-LM's providers return the parser).
     """
     if "--export-cast" in parser._option_string_actions:
         return parser
-    defaults = defaults or ExportCastConfig()
+    defaults = defaults or env_config() or ExportCastConfig()
     group = parser.add_argument_group(title=GROUP_TITLE)
     group.add_argument("--export-cast", choices=["nearest", "fair"], default=defaults.mode,
                        help="How the fp32 master weights are cast to the bf16 model weights: "
                             "'nearest' (stock round to nearest) or 'fair' (Fair Cast).")
-    group.add_argument("--export-cast-method", choices=list(FLAG_METHODS),
+    group.add_argument("--export-cast-method", choices=list(FLAG_METHODS), type=lambda v: v.replace("_", "-"),
                        default=defaults.method.replace("_", "-"),
                        help="With --export-cast fair: stochastic rounding (stateless), error "
                             "feedback (a residual per element, kept in the optimizer checkpoint) or "
@@ -118,5 +119,5 @@ def disagreements(args, defaults: ExportCastConfig) -> list[str]:
     difference is a flag given on the command line): ``"--flag VALUE (command line) over FIELD
     VALUE"`` items, in flag order; ``[]`` when they agree."""
     values = _values(args)
-    return [f"{flag} {getattr(args, _dest(flag))} (command line) over {field} {getattr(defaults, field)!s}"
-            for field, flag in FLAGS.items() if values[field] != getattr(defaults, field)]
+    return [f"{flag} {getattr(args, _dest(flag), values[field])!s} (command line) over {field} "
+            f"{getattr(defaults, field)!s}" for field, flag in FLAGS.items() if values[field] != getattr(defaults, field)]

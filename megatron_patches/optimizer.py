@@ -411,11 +411,11 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
             captured in a CUDA graph.
     """
     if getattr(config, "fp16", False):
-        raise ValueError(f"--export-cast fair needs --bf16, but {where} has fp16=True (--fp16): "
+        raise ValueError(f"--export-cast fair needs --bf16, but fp16=True (--fp16) in {where}: "
                          "the model params would be fp16, which Fair Cast does not produce")
     if not getattr(config, "bf16", False):
         raise ValueError(f"--export-cast fair needs --bf16 (bf16 model params with fp32 masters); "
-                         f"{where} has bf16=False")
+                         f"bf16=False in {where}")
     if compat.uses_precision_aware_optimizer(config):
         raise ValueError(
             f"--export-cast fair cannot be used with --use-precision-aware-optimizer ({where}."
@@ -465,7 +465,7 @@ def install(optimizer, model_chunks, *, config, telemetry: bool = False,
             sharded_state_dict.
         NotImplementedError: Megatron FSDP, FP8/FP4 params, optimizer classes not covered.
     """
-    config = ExportCastConfig.from_value(config) if not isinstance(config, ExportCastConfig) else config
+    config = ExportCastConfig.from_value(config)
     if not config.enabled:
         return []
     leaves = [o for o in compat.sub_optimizers(optimizer) if not compat.is_stub(o)]

@@ -20,7 +20,9 @@ from typing import Callable, Optional
 
 import torch
 
-METHODS = ("nearest", "stochastic", "error_feedback", "dithered")
+from faircast_dist import Method
+
+METHODS = tuple(m.value for m in Method)  # nearest, stochastic, error_feedback, dithered: the arms
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)

@@ -42,7 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-METHODS = ("stochastic", "error_feedback", "dithered", "nearest")
+from faircast_dist import Method  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--zero-stage", type=int, choices=(2, 3), default=2)
     p.add_argument("--fsdp2", action="store_true", help="train with FSDP2 (fully_shard) instead of DeepSpeed")
-    p.add_argument("--method", choices=METHODS, default="stochastic",
+    p.add_argument("--method", choices=[m.value for m in Method], default="stochastic",
                    help="the export cast (nearest: the \"export_cast\" section says mode nearest)")
     p.add_argument("--stock", action="store_true", help="no \"export_cast\" section at all (stock DeepSpeed)")
     p.add_argument("--steps", type=int, default=4)

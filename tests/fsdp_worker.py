@@ -188,6 +188,42 @@ def train(job: dict) -> dict:
     return record
 
 
+def activated(job: dict) -> dict:
+    """``fsdp_hooks.activate(export_cast)`` (what faircast-run does), then a ``variant``: ``explicit``
+    (the script's own install, config ``explicit``), ``split`` (two optimizers over parts of the model,
+    the second-built one stepping first), ``state_dict`` (DCP's ``get_state_dict`` before the first
+    forward: one optimizer step before any forward); ``steps`` steps, snapshots as :func:`train_steps`."""
+    import fsdp_hooks
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    fsdp_hooks.activate(job["export_cast"])
+    try:
+        model = build((dist.get_world_size(),))
+        if job["variant"] == "split":
+            first = list(model.blocks[0].parameters())
+            optimizers = [torch.optim.AdamW([p for p in model.parameters() if all(p is not q for q in first)], lr=1e-3),
+                          torch.optim.AdamW(first, lr=1e-3)]
+        else:
+            optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3)]
+        if job["variant"] == "explicit":
+            fsdp_hooks.install(model, optimizers[0], config=job["explicit"])
+        if job["variant"] == "state_dict":
+            get_state_dict(model, optimizers[0])
+        records = []
+        for step in range(job["steps"]):
+            x, y = batch(step)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            records.append(snapshot(model))
+            loss.backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+        export = getattr(model, "export_cast", None)
+        return {"steps": records, "method": None if export is None else str(export.caster.method),
+                "blocks_installed": [getattr(b, "export_cast", None) is not None for b in model.blocks]}
+    finally:
+        fsdp_hooks.deactivate()
+
+
 def fixed(job: dict) -> dict:
     """One master trajectory under any layout: the initial masters scaled elementwise before each of
     3 exports (an ``optimizer.step()`` with lr 0 advances the export step); the served weights of each."""

@@ -13,6 +13,13 @@ from faircast_dist.rounding import cast_stochastic
 from faircast_dist.telemetry import LagTracker, bf16_spacing, changed_fraction, gap_ulps, logprob_gap
 
 
+def test_a_section_without_mode_is_an_error_not_a_silent_stock_run():
+    with pytest.raises(ValueError, match='has no "mode": give "mode": "fair"') as err:
+        ExportCastConfig.from_value({"method": "error_feedback"})
+    assert err.value.field == "mode"
+    assert ExportCastConfig.from_value({}) == ExportCastConfig()  # nothing asked: stock
+
+
 def test_config_parsing_and_errors():
     assert ExportCastConfig.from_value(None).effective_method == "nearest"
     assert ExportCastConfig.from_value("fair").effective_method == "stochastic"

@@ -67,6 +67,14 @@ def records(tmp_path_factory):
     jobs[2] += [{"id": ("fsdp2", "adopt", saved, m), "fn": "resume", "export_cast": cfg(m), "dir": saves[saved],
                  "steps": 1, "first": HALF} for saved in ("stock", *METHODS) for m in METHODS]
     jobs[4] += [{"id": ("fsdp4", "refuse", name), "fn": "refuse", **job} for name, job in REFUSALS_JOBS.items()]
+    jobs[2] += [{"id": ("fsdp2", "save", "nearest"), "fn": "save_half", "export_cast": {"mode": "nearest"},
+                 "steps": HALF, "dir": str(tmp / "nearest")},  # fsdp_hooks.checkpoint.save with Fair Cast off
+                {"id": ("fsdp2", "nearest_from_ef"), "fn": "resume", "export_cast": {"mode": "nearest"},
+                 "dir": saves["error_feedback"], "steps": 1, "first": HALF},
+                {"id": ("fsdp2", "ef_from_nearest"), "fn": "resume", "export_cast": cfg("error_feedback"),
+                 "dir": str(tmp / "nearest"), "steps": 1, "first": HALF}]
+    jobs[2] += [{"id": ("fsdp2", "activated", v), "fn": "activated", "export_cast": cfg("stochastic"),
+                 "explicit": cfg("dithered"), "variant": v, "steps": 3} for v in ("explicit", "split", "state_dict")]
     out = {}
     for world in (2, 4, 1):
         for job, record in zip(jobs[world], fsdp_worker.run(world, jobs[world])):
@@ -223,6 +231,36 @@ def test_every_saved_and_loaded_method_pair_follows_the_one_rule(saved, now, rec
         if saved == "error_feedback":
             assert "dropping them" in ours[0]
         assert_same(first["served"], reference_exports(now, [first])[0], "first export after the load")
+
+
+@pytest.mark.parametrize("variant", ["explicit", "split", "state_dict"])
+def test_the_activation_installs_once_whatever_the_script_does(variant, records):
+    """fsdp_hooks.activate (faircast-run's) with a script that installs itself (its config is kept, no
+    block is installed again), with two optimizers over parts of the model (installed once, on the
+    model, by the first to step), or that steps the optimizer before any forward (DCP's get_state_dict:
+    installed at the first step after a forward, not left off): every later export is the reference."""
+    rec = get(records, "fsdp2", "activated", variant)
+    method = "dithered" if variant == "explicit" else "stochastic"
+    assert rec["method"] == method and rec["blocks_installed"] == [False, False]
+    snaps = rec["steps"] if variant == "explicit" else rec["steps"][1:]  # activated: from the first step
+    assert [s["step"] for s in snaps] == list(range(3 - len(snaps), 3))
+    for snap, ref in zip(snaps, reference_exports(method, snaps)):
+        assert_same(snap["served"], ref, f"{variant} step {snap['step']}")
+
+
+def test_fsdp_hooks_checkpoints_a_model_with_fair_cast_off(records):
+    """fsdp_hooks.checkpoint.save / load on a model without Fair Cast (mode nearest): a stock checkpoint,
+    and an error-feedback checkpoint loaded with its residuals dropped (one warning), the masters resumed."""
+    off = get(records, "fsdp2", "nearest_from_ef")
+    assert [w for w in off["warnings"] if "dropping them" in w] and len(off["warnings"]) == 1, off["warnings"]
+    assert_same(off["steps"][0]["masters"], get(records, "fsdp2", "train", "error_feedback")["steps"][HALF]["masters"],
+                "masters after the load")
+    on = get(records, "fsdp2", "ef_from_nearest")
+    assert any("holds no Fair Cast state" in w for w in on["warnings"]), on["warnings"]
+    assert any("residuals start at zero" in w for w in on["warnings"]), on["warnings"]
+    first = on["steps"][0]
+    assert first["step"] == HALF
+    assert_same(first["served"], reference_exports("error_feedback", [first])[0], "first export after the load")
 
 
 def test_off_is_stock_fsdp2(records):

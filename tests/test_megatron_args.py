@@ -166,6 +166,25 @@ def test_flags_default_to_the_variable_and_the_command_line_wins(fake_megatron_t
         assert item in warned[0] and f"{ENV}=" in warned[0], warned
 
 
+def test_a_namespace_with_some_flags_and_either_method_spelling(monkeypatch):
+    """Flags a namespace lacks are their defaults, in the config and in the disagreement (it raised
+    AttributeError); the method flag takes error_feedback as well as error-feedback."""
+    from argparse import Namespace
+
+    from megatron_patches.args import disagreements
+    env = ExportCastConfig(mode="fair", method="dithered", seed=3)
+    args = Namespace(export_cast="fair", export_cast_method="stochastic", bf16=True)
+    assert config_from_args(args) == ExportCastConfig(mode="fair")
+    assert disagreements(args, env) == ["--export-cast-method stochastic (command line) over method dithered",
+                                        "--export-cast-seed 1234 (command line) over seed 3"]
+    monkeypatch.delenv(ENV, raising=False)
+    parsed = add_export_cast_args(megatron_like_parser()).parse_args(["--export-cast-method", "error_feedback"])
+    assert parsed.export_cast_method == "error-feedback"
+    monkeypatch.setenv(ENV, '{"mode": "fair", "seed": 5}')  # a script's own provider defaults to the variable too
+    parsed = with_export_cast_args()(megatron_like_parser()).parse_args(["--bf16"])
+    assert config_from_args(parsed) == ExportCastConfig(mode="fair", seed=5)
+
+
 def test_without_parsed_arguments_the_variable_is_the_config(fake_megatron_training, monkeypatch):
     """megatron-core code that builds its own optimizers (no Megatron-LM arguments) under faircast-run."""
     def unparsed():
