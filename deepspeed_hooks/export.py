@@ -30,7 +30,7 @@ from deepspeed import comm as dist
 from deepspeed_hooks import compat
 from faircast_dist import FairCaster
 from faircast_dist.config import RESIDUAL_DTYPES, Method
-from faircast_dist.export import ExportState, warn
+from faircast_dist.export import ExportState, Shard, warn
 from faircast_dist.telemetry import ExportObserver
 
 STEP_KEY = "export_cast_step"
@@ -215,11 +215,10 @@ class OptimizerExport:
         fragments' own targets (ZeRO-1/2: the buffer DeepSpeed's copy was about to fill)."""
         with self.telemetry.span(hp.device):  # one span per group (ZeRO steps each group just before its cast)
             self.group_state(hp).pop(SERVED_KEY, None)
-            residual = self.state.residual(hp, hp.view(-1))
-            residual = None if residual is None else residual.view(-1)
-            for _, start, master, served, rows in self.buffers(None, hp, fragments, out):
-                self.caster.cast_flat(master, served, rows,
-                                      None if residual is None else residual.narrow(0, start, master.numel()))
+            residual = self.state.residual(hp, hp.view(-1))  # the group's, in DeepSpeed's optimizer state
+            self.state.cast([Shard(key, master, served, rows, residual=None if residual is None else
+                                   residual.view(-1).narrow(0, start, master.numel()))
+                             for key, start, master, served, rows in self.buffers(None, hp, fragments, out)])
         self._cast_now.add(id(hp))
 
     def finish(self) -> None:

@@ -46,6 +46,9 @@ class Shard:
         runs: ``(param name, start in the shard, numel, global index of its first element)`` per run
             of consecutive global indices (:func:`faircast_dist.shards.index_runs`).
         counted: the drift telemetry counts this shard on this rank (each element once over all ranks).
+        residual: error feedback, where the adapter keeps the shard's residual inside a larger one
+            (DeepSpeed stage 0: a view of its group's): that view (1-D, like ``master``); None: the
+            state's own residual of ``key``.
     """
 
     key: Hashable
@@ -53,6 +56,7 @@ class Shard:
     out: torch.Tensor
     runs: Sequence[tuple[str, int, int, int]]
     counted: bool = True
+    residual: torch.Tensor | None = None
 
 
 class ExportState:
@@ -123,7 +127,8 @@ class ExportState:
         if not shards:
             return
         fragments = [(k, *run) for k, s in enumerate(shards) for run in s.runs]
-        residuals = [self.residual(s.key, s.master).view(-1) for s in shards] if self.method.needs_residual else None
+        residuals = ([(s.residual if s.residual is not None else self.residual(s.key, s.master)).view(-1) for s in shards]
+                     if self.method.needs_residual else None)
         self.caster.cast_tensors([s.master for s in shards], [s.out for s in shards], fragments, residuals,
                                  step=step)
 

@@ -111,3 +111,21 @@ def test_a_residual_store_of_the_framework_backs_the_state():
     state.export(shards(masters, outs))
     want = FairCaster(CONFIGS["error_feedback"]).cast("w", masters["w"].view(-1), residual=torch.full((30,), 0.25))
     assert torch.equal(bits(outs["w"].view(-1)), bits(want))  # the second export rounded master + 0.25
+
+
+def test_a_shard_may_carry_a_view_of_a_larger_residual():
+    """DeepSpeed stage 0 serves one fp32 group into several bf16 params: each shard's residual is a view
+    of the group's, updated in place (the state creates none of its own)."""
+    state = ExportState(CONFIGS["error_feedback"])
+    group = torch.randn(12)
+    residual = torch.full((12,), 0.125)
+    outs = [torch.empty(5, dtype=torch.bfloat16), torch.empty(7, dtype=torch.bfloat16)]
+    pieces = [Shard(("g", 0), group[:5], outs[0], [("a", 0, 5, 0)], residual=residual[:5]),
+              Shard(("g", 1), group[5:], outs[1], [("b", 0, 7, 0)], residual=residual[5:])]
+    state.cast(pieces)
+    assert state.residuals == {}
+    ref = FairCaster(CONFIGS["error_feedback"])
+    want_residual = torch.full((12,), 0.125)
+    want = [ref.cast("a", group[:5], residual=want_residual[:5]), ref.cast("b", group[5:], residual=want_residual[5:])]
+    assert all(torch.equal(bits(o), bits(w)) for o, w in zip(outs, want))
+    assert torch.equal(bits(residual), bits(want_residual))
