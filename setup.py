@@ -7,7 +7,7 @@ setup(
                 "dithered rounding at the fp32 master -> bf16 model cast, shard-aware and reproducible "
                 "under any layout",
     packages=find_packages(include=["faircast_dist", "deepspeed_hooks", "megatron_patches", "fsdp_hooks",
-                                    "faircast_run"]),
+                                    "faircast_run", "vllm_receiver"]),
     # the fused CPU kernel, compiled on first use; faircast-run's start-up hook
     package_data={"faircast_dist": ["csrc/*.cpp"], "faircast_run": ["startup/sitecustomize.py"]},
     python_requires=">=3.10",

@@ -82,8 +82,7 @@ def served_deltas(engine, tracker: DeltaTracker,
     """
     params = list(engine.module.named_parameters())
     if not any(compat.is_zero3(p) for _, p in params):
-        for name, p in params:
-            yield (name, *tracker.diff(name, p.detach()))
+        yield from tracker.deltas((name, p.detach()) for name, p in params)
         return
     for bucket in _zero3_buckets(params, bucket_bytes):
         yield from _zero3_deltas(bucket, tracker)

@@ -22,7 +22,7 @@ rank tracks). Nothing else keeps state.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -142,6 +142,12 @@ class DeltaTracker:
         index, values = diff(old, served, start, full_numel)
         old.copy_(served)
         return index, values
+
+    def deltas(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, index, values)`` for each full ``(name, bf16 tensor)`` of ``weights`` (an adapter's
+        ``served_weights``), diffed by :meth:`diff`: what every adapter's ``served_deltas`` yields."""
+        for name, weight in weights:
+            yield (name, *self.diff(name, weight))
 
     def nbytes(self) -> int:
         """Bytes held by the baselines."""

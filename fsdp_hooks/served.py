@@ -56,5 +56,4 @@ def served_deltas(model: torch.nn.Module, tracker: DeltaTracker) -> Iterator[tup
         model: as for :func:`served_weights`.
         tracker: a :class:`faircast_dist.delta.DeltaTracker` used only with this model.
     """
-    for name, weight in served_weights(model):
-        yield (name, *tracker.diff(name, weight))
+    yield from tracker.deltas(served_weights(model))

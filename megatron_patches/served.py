@@ -45,5 +45,4 @@ def served_deltas(model, tracker: DeltaTracker) -> Iterator[tuple[str, torch.Ten
         tracker: a :class:`faircast_dist.delta.DeltaTracker` used only with this model (each rank
             keeps a bf16 copy of the whole model in it).
     """
-    for name, weight in served_weights(model):
-        yield (name, *tracker.diff(name, weight))
+    yield from tracker.deltas(served_weights(model))

@@ -13,7 +13,7 @@ Trainer: DeepSpeed ZeRO-2, bf16 with fp32 masters, AdamW (torch), Fair Cast swit
 Rollout engine (``--engine vllm``, the default where vLLM imports): one real vLLM engine on rank 0, started
 once per launch, that samples every rank's rollouts (temperature 1, full vocabulary, a seed per request) and
 records vLLM's log-probs; it receives the trainer's weights only after every optimizer step, through
-``served_weights(engine)`` -> ``faircast_dist.vllm_receiver.VllmReceiver.load`` (``--sync delta``:
+``served_weights(engine)`` -> ``vllm_receiver.VllmReceiver.load`` (``--sync delta``:
 ``served_deltas`` -> ``VllmReceiver.apply``), and after each sync its weights, read back through its kernels,
 are checked bit for bit against the trainer's bf16 model (a mismatch stops the run). ``--engine hf``: a bf16
 HF copy of the policy per rank, HF ``generate``, weights through a vLLM-shaped ``load_weights``.
@@ -88,7 +88,7 @@ def parse_args(argv=None):
                         "curve every cast should follow")
     p.add_argument("--engine", choices=ENGINES, default="vllm" if importlib.util.find_spec("vllm") else "hf",
                    help="rollout engine: vllm (one vLLM engine on rank 0 samples every rank's rollouts; weights "
-                        "through faircast_dist.vllm_receiver) or hf (a bf16 HF copy per rank, generate()) "
+                        "through vllm_receiver) or hf (a bf16 HF copy per rank, generate()) "
                         "[default: vllm where importable]")
     p.add_argument("--sync", choices=("full", "delta"), default="full",
                    help="weight sync after each optimizer step: full (served_weights) or delta (served_deltas: "

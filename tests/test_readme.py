@@ -73,7 +73,7 @@ def test_the_readme_is_a_front_door():
         assert f"({page})" in text, page
 
 
-OURS = ("faircast_dist", "deepspeed_hooks", "megatron_patches", "fsdp_hooks", "faircast_run")
+OURS = ("faircast_dist", "deepspeed_hooks", "megatron_patches", "fsdp_hooks", "faircast_run", "vllm_receiver")
 
 
 @pytest.mark.parametrize("page", PAGES)

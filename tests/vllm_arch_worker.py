@@ -1,0 +1,199 @@
+"""The vLLM receiver on the architectures RL users train, and its failures (one process, engines one after another).
+
+    python tests/vllm_arch_worker.py OUT_JSON
+
+Per architecture (tiny random models built here, head_dim 32): an engine started from seed-0 weights takes a full
+update to seed-1 weights, a sparse delta (where the host's CPU backend computes from live params) and a
+whole-layer delta; after each, ``verify()`` and vLLM's prompt log-probs against an fp32 Hugging Face forward of
+the weights the receiver holds. Then, on Llama (its engine runs tests/vllm_faults.py's extension): a push that
+fails in the worker, one whose worker is killed, and one that hangs, each followed by a check of what the engine
+and the receiver hold, and a restarted engine attached. A Qwen3-MoE engine must be refused by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # the worker imports vllm_faults
+COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.1)
+# architecture -> (config class, model class, config overrides)
+ARCHS = {
+    "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),  # q/k norms, tied head
+    "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM", {}),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),  # tied head, sliding + full layers
+}
+PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(24)] for i in range(4)]
+
+
+def hf_model(arch: str, seed: int, extra: dict | None = None):
+    import transformers
+    config_cls, model_cls, overrides = ARCHS.get(arch, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {}))
+    config = getattr(transformers, config_cls)(**COMMON, **overrides, **(extra or {}))
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config).float().eval()
+
+
+def start(path: str, extension: str):
+    from vllm import LLM
+    return LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256, seed=0,
+               worker_extension_cls=extension)
+
+
+def stop(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def vllm_logprobs(llm) -> torch.Tensor:
+    """vLLM's prompt log-probs of PROMPTS' tokens, ``[4, 23]``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
+    return torch.tensor([[lp[t].logprob for t, lp in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(PROMPTS, outs)])
+
+
+@torch.no_grad()
+def hf_logprobs(model, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An fp32 forward of ``model`` holding ``weights``: log-probs of PROMPTS' tokens, ``[4, 23]``."""
+    missing, unexpected = model.load_state_dict({n: t.float() for n, t in weights.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if "lm_head.weight" in missing:
+        model.tie_weights()
+    ids = torch.tensor(PROMPTS)
+    logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+    return logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def nudge(weights: dict[str, torch.Tensor], seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """A delta: 1% of every tensor's elements (at least one) moved by 3 standard deviations of the tensor."""
+    g = torch.Generator().manual_seed(seed)
+    deltas = []
+    for name, t in weights.items():
+        flat = t.reshape(-1).float()
+        k = max(1, flat.numel() // 100)
+        index = torch.randperm(flat.numel(), generator=g)[:k].sort().values
+        values = (flat[index] + 3 * (flat.std() if flat.numel() > 1 else 1.0)).to(t.dtype)
+        deltas.append((name, index.to(torch.int32), values))
+    return deltas
+
+
+def architecture_run(arch: str, tmp: str, extension: str) -> tuple[dict, object, object]:
+    """Full update, sparse delta, whole-layer delta on ``arch``; returns (report, llm, receiver)."""
+    from vllm_receiver import VllmReceiver
+    path = os.path.join(tmp, arch)
+    hf_model(arch, 0).to(torch.bfloat16).save_pretrained(path)
+    llm = start(path, extension)
+    receiver = VllmReceiver(llm)
+    new = {n: t.to(torch.bfloat16) for n, t in hf_model(arch, 1).state_dict().items()}
+    model = hf_model(arch, 0)
+    old = hf_logprobs(model, receiver.weights)
+    rep = {"sparse_possible": receiver.sparse_deltas, "names_match": set(receiver.weights) ==
+           set(new) - ({"lm_head.weight"} if receiver.layout["tied"] else set()),
+           "start_vs_hf": gap(vllm_logprobs(llm), old)}
+    receiver.load((n, new[n]) for n in receiver.weights)
+    rep["full_verified"] = receiver.verify()
+    now = vllm_logprobs(llm)
+    rep["full_new"], rep["full_old"] = gap(now, hf_logprobs(model, receiver.weights)), gap(now, old)
+    for way, recv in (("sparse", receiver if receiver.sparse_deltas else None),
+                      ("whole", VllmReceiver(llm, sparse_deltas=False))):
+        if recv is None:
+            continue
+        before = recv.totals["engine_bytes"]
+        changed = recv.apply(nudge(recv.weights, seed=len(way)))
+        rep[f"{way}_changed"], rep[f"{way}_engine_bytes"] = changed, recv.totals["engine_bytes"] - before
+        rep[f"{way}_verified"] = recv.verify()
+        rep[f"{way}_new"] = gap(vllm_logprobs(llm), hf_logprobs(model, recv.weights))
+        receiver = recv
+    return rep, llm, receiver
+
+
+def faults(llm, receiver, path: str, fault_file: str) -> tuple[dict, object]:
+    """Each fault of tests/vllm_faults.py on a full update; returns (report, the last engine)."""
+    from vllm_receiver import EngineUpdateError
+    rep = {}
+    receiver.timeout_s = 5
+    g = torch.Generator().manual_seed(5)
+    for fault in ("raise", "die", "hang"):
+        with open(fault_file, "w") as f:
+            f.write(fault)
+        if fault == "die":
+            def kill():
+                while not os.path.exists(fault_file + ".pid"):
+                    time.sleep(0.05)
+                time.sleep(0.5)
+                os.kill(int(open(fault_file + ".pid").read()), signal.SIGKILL)
+            threading.Thread(target=kill, daemon=True).start()
+        before = {n: t.clone() for n, t in receiver.weights.items()}
+        update = [(n, (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)) for n, t in before.items()]
+        t0 = time.monotonic()
+        try:
+            receiver.load(update)
+            case = {"error": None}
+        except EngineUpdateError as err:
+            case = {"error": str(err), "engine_state": err.engine_state}
+        case["seconds"] = time.monotonic() - t0
+        case["copy_unchanged"] = all(torch.equal(before[n], t) for n, t in receiver.weights.items())
+        if fault == "raise":  # the engine lives: it must serve the copy (the weights before the push)
+            case["verified"] = receiver.verify()
+        else:  # restart, attach: the new engine serves the copy; then the next push lands
+            stop(llm)
+            llm = start(path, "vllm_faults.FaultyExtension")
+            case["attached"] = receiver.attach(llm)
+            receiver.load(update)
+            case["next_push_verified"] = receiver.verify()
+        if os.path.exists(fault_file + ".pid"):
+            os.unlink(fault_file + ".pid")
+        rep[fault] = case
+    return rep, llm
+
+
+def main(out_json: str) -> None:
+    from vllm_receiver import WORKER_EXTENSION, VllmReceiver
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="faircast-vllm-arch-")
+    os.environ["FAIRCAST_TEST_FAULT"] = os.path.join(tmp, "fault")  # the engines' workers inherit it
+    report = {"architectures": {}}
+    for arch in ARCHS:
+        llama = arch == "LlamaForCausalLM"
+        rep, llm, receiver = architecture_run(arch, tmp, "vllm_faults.FaultyExtension" if llama else WORKER_EXTENSION)
+        report["architectures"][arch] = rep
+        if llama:
+            report["faults"], llm = faults(llm, receiver, os.path.join(tmp, arch), os.environ["FAIRCAST_TEST_FAULT"])
+        stop(llm)
+        print(arch, json.dumps(rep), flush=True)
+    # an architecture outside the tested ones is refused by name, before any RPC
+    path = os.path.join(tmp, "moe")
+    hf_model("Qwen3MoeForCausalLM", 0, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)) \
+        .to(torch.bfloat16).save_pretrained(path)
+    llm = start(path, WORKER_EXTENSION)
+    try:
+        VllmReceiver(llm)
+        report["moe_refused"] = "no error"
+    except ValueError as err:
+        report["moe_refused"] = str(err)
+    stop(llm)
+    from vllm_receiver.transport import shm_dir
+    report["shm_left"] = [f for f in os.listdir(shm_dir()) if f.startswith(f"faircast-{os.getpid()}-")]
+    with open(out_json, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

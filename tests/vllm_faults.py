@@ -1,0 +1,29 @@
+"""A worker extension that fails on demand, for tests/vllm_arch_worker.py (imported inside the vLLM worker).
+
+While the file named by ``FAIRCAST_TEST_FAULT`` exists, the next ``faircast_push`` reads it, removes it, reloads
+the first half of the pushed tensors (a half-written update) and then: ``raise`` raises, ``hang`` sleeps 15 s,
+``die`` waits to be killed (it writes its pid to ``<file>.pid`` first, for the test to kill it).
+"""
+import os
+import time
+
+from vllm_receiver import compat
+from vllm_receiver.extension import FairCastWorkerExtension
+
+
+class FaultyExtension(FairCastWorkerExtension):
+    def faircast_push(self, buffer, specs, repack_head):
+        path = os.environ.get("FAIRCAST_TEST_FAULT", "")
+        if not path or not os.path.exists(path):
+            return super().faircast_push(buffer, specs, repack_head)
+        with open(path) as f:
+            fault = f.read().strip()
+        os.unlink(path)
+        buf = self._faircast_buffer(buffer)
+        compat.reload(self, [(s[0], buf.view(s)) for s in specs[: max(1, len(specs) // 2)]])
+        with open(path + ".pid", "w") as f:
+            f.write(str(os.getpid()))
+        if fault == "raise":
+            raise RuntimeError("planted failure after half the layers")
+        time.sleep(15 if fault == "hang" else 600)
+        return len(specs)

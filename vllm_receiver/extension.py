@@ -1,0 +1,159 @@
+"""The receiver's side inside the vLLM worker: a worker extension (``worker_extension_cls``, the way TRL and verl
+extend vLLM's workers), whose methods ``llm.collective_rpc("faircast_...", args=...)`` calls by name.
+
+Nothing pickled crosses the process boundary: the arguments are names, shapes, offsets and flags, the tensors
+travel through the shared buffer (:mod:`vllm_receiver.transport`), and what comes back is a layout, digests or
+specs. Start the engine with it::
+
+    llm = vllm.LLM(model=path, dtype="bfloat16", worker_extension_cls=vllm_receiver.WORKER_EXTENSION)
+
+A user with an extension of their own (TRL's, verl's) subclasses both and passes that class's qualified name.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from vllm_receiver import compat
+from vllm_receiver.transport import SharedBuffer, Spec, aligned, dtype_name, nbytes
+
+
+def digest(t: torch.Tensor) -> str:
+    """BLAKE2b (16 bytes, hex) of ``t``'s bits, a 2-D tensor's rows holding a NaN or Inf made all NaN first:
+    read back through a kernel, one non-finite weight spreads over its row (0 * NaN, 0 * Inf are NaN in the
+    identity product)."""
+    t = t.contiguous().cpu()
+    if t.dim() == 2:
+        bad = ~torch.isfinite(t).all(1)
+        if bad.any():
+            t = t.clone()
+            t[bad] = float("nan")
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+    return hashlib.blake2b(t.view(bits).numpy().tobytes(), digest_size=16).hexdigest()
+
+
+class FairCastWorkerExtension:
+    """Methods mixed into vLLM's worker class (``self`` is the worker). Each returns plain data."""
+
+    def faircast_layout(self) -> dict:
+        """The engine's checkpoint-name layout.
+
+        Returns:
+            ``modules``: ``{vLLM module: [[vLLM param name, [[checkpoint name, rows or None], ...]], ...]}`` (a fused
+            layer's checkpoint tensors stacked by rows; an embedding's rows past the vocabulary are padding);
+            ``shapes``: ``{checkpoint name: full shape}``; ``tied``, ``vocab``, ``embedding`` (the tied head's
+            embedding module); ``in_place``: every linear computes from its live param (sparse patches land);
+            ``dtype`` (name), ``tp``, ``pp``.
+        """
+        model = compat.model(self)
+        packed = compat.packed_modules(model)
+        modules, shapes, vocab, embedding, in_place = {}, {}, None, None, True
+        for name, param in model.named_parameters():
+            mod_name, _, leaf = name.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            short = mod_name.rpartition(".")[2]
+            linear = compat.is_linear(mod)
+            if linear and leaf == "weight" and param.numel() == 0:
+                in_place = False
+            if linear:
+                full = compat.linear_shape(mod, leaf)
+            else:
+                rows = compat.vocab_rows(mod)
+                full = (rows, *param.shape[1:]) if rows is not None else tuple(param.shape)
+            if short in packed and linear:  # fused: its checkpoint tensors, stacked by rows
+                prefix = mod_name[: len(mod_name) - len(short)]
+                parts = [[f"{prefix}{p}.{leaf}", n] for p, n in zip(packed[short], compat.output_sizes(mod))]
+            else:
+                rows = compat.vocab_rows(mod)
+                parts = [[name, rows]]
+                if rows is not None and not compat.is_head(mod):
+                    vocab, embedding = rows, mod_name
+            for hf, rows in parts:
+                shapes[hf] = [rows, *full[1:]] if rows is not None else list(full)
+            modules.setdefault(mod_name, []).append([name, parts])
+        tp, pp = compat.parallel_sizes(self)
+        return dict(modules=modules, shapes=shapes, tied=bool(getattr(compat.hf_config(self), "tie_word_embeddings",
+                                                                      False)),
+                    vocab=vocab, embedding=embedding, in_place=in_place, dtype=dtype_name(compat.dtype(self)),
+                    tp=tp, pp=pp)
+
+    def faircast_map(self, path: str, size: int, replaces: str | None) -> int:
+        """Map a receiver's shared buffer, known by its ``path`` from now on, dropping the one it ``replaces`` (that
+        receiver's smaller one); every receiver of the engine has its own. Returns its size."""
+        buffers = self.__dict__.setdefault("_faircast_buffers", {})
+        buffers.pop(replaces, None)
+        buffers[path] = SharedBuffer(path, size)
+        return size
+
+    def _faircast_buffer(self, path: str) -> SharedBuffer:
+        return self._faircast_buffers[path]
+
+    @torch.no_grad()
+    def faircast_read(self, buffer: str, layout: dict, names: list[str] | None, digests: bool) -> dict | list[Spec]:
+        """The engine's effective checkpoint tensors ``names`` (None: all; with a tied head also ``lm_head.weight``,
+        what the head computes with), read back through their kernels: ``{name: digest}``, or written into the
+        shared buffer ``buffer`` and returned as specs."""
+        wanted = None if names is None else set(names)
+        buf = self._faircast_buffer(buffer)
+        out, specs, offset = {}, [], 0
+        for name, t in self._faircast_effective(layout, wanted):
+            if digests:
+                out[name] = digest(t)
+                continue
+            spec = [name, dtype_name(t.dtype), list(t.shape), offset]
+            if offset + nbytes(t) > buf.size:
+                raise ValueError(f"faircast_read: the shared buffer ({buf.size} bytes) is too small")
+            buf.view(spec).copy_(t)
+            specs.append(spec)
+            offset += aligned(nbytes(t))
+        return out if digests else specs
+
+    def _faircast_effective(self, layout: dict, wanted: set | None):
+        model = compat.model(self)
+        dt = getattr(torch, layout["dtype"])
+        for mod_name, params in layout["modules"].items():
+            mod = model.get_submodule(mod_name)
+            for vname, parts in params:
+                if wanted is not None and not any(p in wanted for p, _ in parts):
+                    continue
+                full = _effective(mod, vname.rpartition(".")[2], dt)
+                row = 0
+                for hf, rows in parts:
+                    piece = full[row: row + rows] if rows is not None else full
+                    row += rows or 0
+                    if wanted is None or hf in wanted:
+                        yield hf, piece
+        if layout["tied"] and (wanted is None or "lm_head.weight" in wanted):
+            yield "lm_head.weight", _effective(model.lm_head, "weight", dt)[: layout["vocab"]]
+
+    def faircast_push(self, buffer: str, specs: list[Spec], repack_head: bool) -> int:
+        """Rebuild the layers of the tensors ``specs`` name in the shared buffer ``buffer`` (whole layers, checkpoint
+        format) through the in-place reload; repack the tied head if asked. Returns the number of tensors taken."""
+        buf = self._faircast_buffer(buffer)
+        compat.reload(self, [(s[0], buf.view(s)) for s in specs])
+        if repack_head:
+            compat.repack(compat.model(self).lm_head)
+        return len(specs)
+
+    def faircast_patch(self, buffer: str, patches: list[list], dtype: str, repack_head: bool) -> int:
+        """Write sparse patches ``[name, full shape, index spec, values spec]`` (index and values in the shared
+        buffer ``buffer``) in place, through vLLM's sparse patch path; repack the tied head if asked. Returns the
+        number of patches taken."""
+        buf = self._faircast_buffer(buffer)
+        compat.patch(self, [(n, tuple(shape), buf.view(i), buf.view(v)) for n, shape, i, v in patches],
+                     getattr(torch, dtype))
+        if repack_head:
+            compat.repack(compat.model(self).lm_head)
+        return len(patches)
+
+
+def _effective(mod, leaf: str, dt: torch.dtype) -> torch.Tensor:
+    """What ``mod`` computes with for its param ``leaf``, in the engine's dtype: a linear's or head's weight read
+    back through its kernel (``apply(layer, I) = W^T``, exact: one non-zero product per output), else the param
+    (the CPU backend's small-GEMM kernel keeps a bf16 linear's bias in fp32, converted exactly from bf16)."""
+    param = getattr(mod, leaf)
+    if leaf == "weight" and (compat.is_linear(mod) or compat.is_head(mod)):
+        eye = torch.eye(compat.in_features(mod), dtype=dt, device=param.device)
+        return compat.apply_linear(mod, eye).t()
+    return param.detach().to(dt)
