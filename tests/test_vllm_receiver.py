@@ -124,6 +124,7 @@ def test_a_failed_push_raises_and_the_engine_and_the_copy_never_disagree(arch_re
     assert f["die"]["engine_state"] == "unknown" and f["die"]["seconds"] < 10, f["die"]
     # a hung push: raised after the push and the roll-back each ran out of timeout_s (5 s)
     assert f["hang"]["engine_state"] == "unknown" and 5 <= f["hang"]["seconds"] < 20, f["hang"]
+    assert "serves another model" in arch_report["attach_other_model"] and arch_report["attach_kept_engine"]
     for case in ("die", "hang"):
         assert f[case]["copy_unchanged"] and f[case]["attached"] > 0 and f[case]["next_push_verified"] > 0, f[case]
         assert "receiver.attach(llm)" in f[case]["error"]

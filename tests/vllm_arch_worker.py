@@ -170,12 +170,22 @@ def main(out_json: str) -> None:
     tmp = tempfile.mkdtemp(prefix="faircast-vllm-arch-")
     os.environ["FAIRCAST_TEST_FAULT"] = os.path.join(tmp, "fault")  # the engines' workers inherit it
     report = {"architectures": {}}
+    llama_receiver = None
     for arch in ARCHS:
         llama = arch == "LlamaForCausalLM"
         rep, llm, receiver = architecture_run(arch, tmp, "vllm_faults.FaultyExtension" if llama else WORKER_EXTENSION)
         report["architectures"][arch] = rep
         if llama:
             report["faults"], llm = faults(llm, receiver, os.path.join(tmp, arch), os.environ["FAIRCAST_TEST_FAULT"])
+            llama_receiver = receiver
+        elif arch == "Qwen2ForCausalLM":  # attach refuses an engine of another model, and stays as it was
+            engine = llama_receiver.llm
+            try:
+                llama_receiver.attach(llm)
+                report["attach_other_model"] = "no error"
+            except ValueError as err:
+                report["attach_other_model"] = str(err)
+            report["attach_kept_engine"] = llama_receiver.llm is engine
         stop(llm)
         print(arch, json.dumps(rep), flush=True)
     # an architecture outside the tested ones is refused by name, before any RPC

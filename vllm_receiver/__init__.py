@@ -134,8 +134,22 @@ class VllmReceiver:
             raise ValueError(f"VllmReceiver: architecture {architecture!r} is not among the tested ones "
                              f"({', '.join(TESTED_ARCHITECTURES)}); pass allow_untested=True to try it (and verify() "
                              f"every push)")
-        self.llm = llm
-        layout = self._rpc("faircast_layout")
+        previous, self.llm = getattr(self, "llm", None), llm
+        try:
+            layout = self._check(self._rpc("faircast_layout"))
+            itemsize = getattr(torch, layout["dtype"]).itemsize
+            shapes = list(layout["shapes"].values())
+            if layout["tied"]:  # a read of every tensor also returns the head
+                shapes.append(layout["shapes"][f"{layout['embedding']}.weight"])
+            self._reserve(sum(aligned(_numel(s) * itemsize) for s in shapes), fresh=True)
+        except BaseException:
+            self.llm = previous  # a refused engine leaves the receiver as it was
+            raise
+        self.layout, self.dtype = layout, getattr(torch, layout["dtype"])
+        self._layer_of = {hf: mod for mod, params in layout["modules"].items() for _, parts in params for hf, _ in parts}
+
+    def _check(self, layout: dict) -> dict:
+        """Refuse an engine this receiver cannot serve (see the constructor); returns ``layout``."""
         dtype = getattr(torch, layout["dtype"])
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"VllmReceiver: the engine's dtype is {dtype}; Fair Cast serves bfloat16 "
@@ -144,15 +158,10 @@ class VllmReceiver:
             if layout[key] != 1:
                 raise ValueError(f"VllmReceiver: the engine runs with {what}_parallel_size={layout[key]}; this "
                                  f"receiver supports 1")
-        if hasattr(self, "layout") and layout["shapes"] != self.layout["shapes"]:
-            raise ValueError("VllmReceiver.attach: the new engine serves another model (checkpoint names or shapes "
-                             "differ)")
-        self.layout, self.dtype = layout, dtype
-        self._layer_of = {hf: mod for mod, params in layout["modules"].items() for _, parts in params for hf, _ in parts}
-        model_bytes = sum(aligned(_numel(s) * dtype.itemsize) for s in layout["shapes"].values())
-        if layout["tied"]:
-            model_bytes += aligned(_numel(layout["shapes"][f"{layout['embedding']}.weight"]) * dtype.itemsize)
-        self._reserve(model_bytes, fresh=True)
+        if hasattr(self, "layout") and (layout["shapes"], layout["dtype"]) != (self.layout["shapes"], self.layout["dtype"]):
+            raise ValueError("VllmReceiver.attach: the new engine serves another model (checkpoint names, shapes or "
+                             "dtype differ)")
+        return layout
 
     def _rpc(self, method: str, *args):
         """``llm.collective_rpc(method, args=args)``'s one result, bounded in time: vLLM 0.32 waits forever on a call
