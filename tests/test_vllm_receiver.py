@@ -57,6 +57,13 @@ def test_deltas_take_the_sparse_path_where_the_engine_allows_and_whole_layers_ot
 
 
 @pytest.mark.slow
+def test_a_receiver_whose_engine_another_receiver_wrote_is_refused_and_writes_nothing(report):
+    state, message, other_still_verifies = report["stale"]
+    assert state == "not updated" and "another receiver has written into this engine" in message
+    assert other_still_verifies  # the refused push wrote nothing over the other receiver's weights
+
+
+@pytest.mark.slow
 def test_bad_updates_raise_naming_the_tensor_and_write_nothing(report):
     errors = report["errors"]
     expect = {
@@ -124,6 +131,11 @@ def test_a_failed_push_raises_and_the_engine_and_the_copy_never_disagree(arch_re
     assert f["die"]["engine_state"] == "unknown" and f["die"]["seconds"] < 10, f["die"]
     # a hung push: raised after the push and the roll-back each ran out of timeout_s (5 s)
     assert f["hang"]["engine_state"] == "unknown" and 5 <= f["hang"]["seconds"] < 20, f["hang"]
+    # Ctrl-C while the engine takes a push: the copy is unchanged, verify() reports the engine's other weights, and
+    # the next push (one tensor) rewrites every layer the interrupted one touched: verified again
+    s = f["slow"]
+    assert s["error"] == "KeyboardInterrupt" and s["copy_unchanged"] and s["seconds"] < 2.5, s
+    assert "differ from what was sent" in s["verify_after_interrupt"] and s["next_push_verified"] > 0, s
     assert "serves another model" in arch_report["attach_other_model"] and arch_report["attach_kept_engine"]
     for case in ("die", "hang"):
         assert f[case]["copy_unchanged"] and f[case]["attached"] > 0 and f[case]["next_push_verified"] > 0, f[case]

@@ -11,6 +11,7 @@ and the receiver hold, and a restarted engine attached. A Qwen3-MoE engine must 
 """
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import signal
@@ -126,11 +127,11 @@ def architecture_run(arch: str, tmp: str, extension: str) -> tuple[dict, object,
 
 def faults(llm, receiver, path: str, fault_file: str) -> tuple[dict, object]:
     """Each fault of tests/vllm_faults.py on a full update; returns (report, the last engine)."""
-    from vllm_receiver import EngineUpdateError
+    from vllm_receiver import EngineUpdateError, WeightMismatch
     rep = {}
     receiver.timeout_s = 5
     g = torch.Generator().manual_seed(5)
-    for fault in ("raise", "die", "hang"):
+    for fault in ("raise", "slow", "die", "hang"):
         with open(fault_file, "w") as f:
             f.write(fault)
         if fault == "die":
@@ -142,16 +143,29 @@ def faults(llm, receiver, path: str, fault_file: str) -> tuple[dict, object]:
             threading.Thread(target=kill, daemon=True).start()
         before = {n: t.clone() for n, t in receiver.weights.items()}
         update = [(n, (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)) for n, t in before.items()]
+        if fault == "slow":  # Ctrl-C while the engine is still taking the push
+            threading.Timer(0.5, _thread.interrupt_main).start()
         t0 = time.monotonic()
         try:
             receiver.load(update)
             case = {"error": None}
         except EngineUpdateError as err:
             case = {"error": str(err), "engine_state": err.engine_state}
+        except KeyboardInterrupt:
+            case = {"error": "KeyboardInterrupt"}
         case["seconds"] = time.monotonic() - t0
         case["copy_unchanged"] = all(torch.equal(before[n], t) for n, t in receiver.weights.items())
         if fault == "raise":  # the engine lives: it must serve the copy (the weights before the push)
             case["verified"] = receiver.verify()
+        elif fault == "slow":  # the engine took the interrupted push, the copy did not: verify says so, and the
+            time.sleep(4)      # next push rewrites those layers from the copy
+            try:
+                receiver.verify()
+                case["verify_after_interrupt"] = "passed"
+            except WeightMismatch as err:
+                case["verify_after_interrupt"] = str(err)
+            receiver.load(update[:1])
+            case["next_push_verified"] = receiver.verify()
         else:  # restart, attach: the new engine serves the copy; then the next push lands
             stop(llm)
             llm = start(path, "vllm_faults.FaultyExtension")

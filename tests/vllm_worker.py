@@ -166,15 +166,23 @@ def main(out_json: str) -> None:
             receiver.verify()  # nothing was written: the engine still serves the copy
         report["copy_unchanged"] = all(torch.equal(bits(receiver.weights[n].reshape(-1)), bits(t.reshape(-1))) for n, t in w.items())
         # a NaN served value (Fair Cast keeps NaN a NaN): vLLM's sparse path reserves NaN, so it goes whole-layer
-        for recv in (VllmReceiver(receiver.llm), receiver):
-            recv.apply([(name, torch.tensor([5]), torch.tensor([float("nan")], dtype=torch.bfloat16))])
+        from vllm_receiver import EngineUpdateError
+        nan_delta = [(name, torch.tensor([5]), torch.tensor([float("nan")], dtype=torch.bfloat16))]
+        fresh = VllmReceiver(receiver.llm)  # a second receiver on the engine: its pushes make the first one stale
+        for recv in (fresh, receiver):
+            try:
+                recv.apply(nan_delta)
+            except EngineUpdateError as err:  # the first receiver, after the second one wrote: refused, nothing written
+                report["stale"] = [err.engine_state, str(err), fresh.verify() > 0]
+                recv.attach(recv.llm)  # serve its copy again, then the delta lands
+                recv.apply(nan_delta)
             recv.verify()
             report.setdefault("nan_delta", []).append(bool(recv.read([name])[name].reshape(-1)[5].isnan()))
         # a planted partial write: one shard of a fused layer, straight through the reload receiver.load avoids
         from vllm_receiver import WeightMismatch
         q = "model.layers.1.self_attn.q_proj.weight"
         receiver.llm.collective_rpc("faircast_push", args=(receiver.buffer.path,
-                                                           receiver.buffer.pack([(q, receiver.weights[q])]), False))
+                                                           receiver.buffer.pack([(q, receiver.weights[q])]), False, None))
         try:
             receiver.verify()
             report["planted"] = "not caught"

@@ -146,6 +146,8 @@ class VllmReceiver:
             self.llm = previous  # a refused engine leaves the receiver as it was
             raise
         self.layout, self.dtype = layout, getattr(torch, layout["dtype"])
+        self._version = self._rpc("faircast_version")  # the engine as this receiver last saw it
+        self._unsure: set[str] = set()  # tensors an interrupted push may have left in the engine unlike the copy
         self._layer_of = {hf: mod for mod, params in layout["modules"].items() for _, parts in params for hf, _ in parts}
 
     def _check(self, layout: dict) -> dict:
@@ -217,7 +219,8 @@ class VllmReceiver:
             EngineUpdateError, WeightMismatch: the push did not land.
         """
         self._connect(llm)
-        self._push(list(self.weights.items()), repack=self.layout["tied"])
+        self._push(list(self.weights.items()), repack=self.layout["tied"], force=True)
+        self._unsure.clear()
         self.llm.reset_prefix_cache()
         return self.verify()
 
@@ -306,44 +309,58 @@ class VllmReceiver:
     def _commit(self, new: dict[str, torch.Tensor], payload: int, patches: list | None = None) -> None:
         """Write ``new`` into the engine (as ``patches``, in place, or else the layers it touches, whole), then make
         it part of the copy; on a failure, roll the touched layers back (:class:`EngineUpdateError`)."""
-        layers = {self._layer_of[n] for n in new}
+        layers = {self._layer_of[n] for n in (*new, *self._unsure)}
         repack = self.layout["tied"] and self.layout["embedding"] in layers
         push = [(hf, new.get(hf, self.weights[hf])) for hf, layer in self._layer_of.items() if layer in layers]
         try:
-            if patches:
+            if patches and not self._unsure:
                 moved = self._patch(patches, repack)
             else:
                 moved = self._push(push, repack) if push else 0
             if new:
                 self.llm.reset_prefix_cache()
+        except EngineUpdateError:  # refused before anything was written
+            raise
         except Exception as err:  # noqa: BLE001  (whatever broke, the engine's state is what matters)
             self._roll_back([hf for hf, _ in push], repack, err)
+        except BaseException:  # interrupted (Ctrl-C) while the engine may still take it: the next push rewrites
+            self._unsure.update(hf for hf, _ in push)  # these layers from the copy, over whatever version it finds
+            self._version = None
+            raise
+        self._unsure.clear()
         self.weights.update(new)
         self.totals["updates"] += 1
         self.totals["payload_bytes"] += payload
         self.totals["engine_bytes"] += moved
 
-    def _push(self, tensors: list[tuple[str, torch.Tensor]], repack: bool) -> int:
+    def _push(self, tensors: list[tuple[str, torch.Tensor]], repack: bool, force: bool = False) -> int:
         specs = self._reserve(packed_size(tensors)).pack(tensors)
-        if self._rpc("faircast_push", self.buffer.path, specs, repack) != len(specs):
-            raise RuntimeError("the vLLM worker did not take every tensor of the push")
+        self._written(self._rpc("faircast_push", self.buffer.path, specs, repack, None if force else self._version))
         return sum(nbytes(t) for _, t in tensors)
 
     def _patch(self, patches: list[tuple[str, torch.Tensor, torch.Tensor]], repack: bool) -> int:
         flat = [(f"{n}#{k}", t) for n, i, v in patches for k, t in (("index", i), ("values", v))]
         specs = self._reserve(packed_size(flat)).pack(flat)
-        if self._rpc("faircast_patch", self.buffer.path, [[n, list(self.weights[n].shape), specs[2 * j], specs[2 * j + 1]]
-                                        for j, (n, _, _) in enumerate(patches)], self.layout["dtype"], repack) \
-                != len(patches):
-            raise RuntimeError("the vLLM worker did not take every patch")
+        self._written(self._rpc("faircast_patch", self.buffer.path,
+                                [[n, list(self.weights[n].shape), specs[2 * j], specs[2 * j + 1]]
+                                 for j, (n, _, _) in enumerate(patches)], self.layout["dtype"], repack, self._version))
         return sum(nbytes(t) for _, t in flat)
+
+    def _written(self, answer: dict) -> None:
+        """The worker's answer to a write: its new version, or a refusal (another receiver wrote since)."""
+        if "stale" in answer:
+            raise EngineUpdateError(
+                f"VllmReceiver: another receiver has written into this engine since this one last did (engine at "
+                f"version {answer['stale']}, this receiver saw {self._version}): nothing was written. Use one "
+                f"receiver per engine; receiver.attach(llm) serves this receiver's copy again", "not updated")
+        self._version = answer["version"]
 
     def _roll_back(self, names: list[str], repack: bool, err: Exception) -> None:
         """After a failed push: rewrite the layers of ``names`` from the copy and verify them; raise
         :class:`EngineUpdateError` from ``err`` saying which state the engine is in."""
         what = f"{type(err).__name__}: {err}"
         try:
-            self._push([(n, self.weights[n]) for n in names], repack)
+            self._push([(n, self.weights[n]) for n in names], repack, force=True)
             self.llm.reset_prefix_cache()
             self.verify(names)
         except Exception as again:  # noqa: BLE001

@@ -127,25 +127,46 @@ class FairCastWorkerExtension:
         if layout["tied"] and (wanted is None or "lm_head.weight" in wanted):
             yield "lm_head.weight", _effective(model.lm_head, "weight", dt)[: layout["vocab"]]
 
-    def faircast_push(self, buffer: str, specs: list[Spec], repack_head: bool) -> int:
-        """Rebuild the layers of the tensors ``specs`` name in the shared buffer ``buffer`` (whole layers, checkpoint
-        format) through the in-place reload; repack the tied head if asked. Returns the number of tensors taken."""
-        buf = self._faircast_buffer(buffer)
-        compat.reload(self, [(s[0], buf.view(s)) for s in specs])
-        if repack_head:
-            compat.repack(compat.model(self).lm_head)
-        return len(specs)
+    def faircast_version(self) -> int:
+        """Pushes the engine has taken from any receiver (0 at start): a receiver writes only over the version it
+        last saw, so one receiver's push never lands on another's without its copy knowing."""
+        return self.__dict__.get("_faircast_version", 0)
 
-    def faircast_patch(self, buffer: str, patches: list[list], dtype: str, repack_head: bool) -> int:
-        """Write sparse patches ``[name, full shape, index spec, values spec]`` (index and values in the shared
-        buffer ``buffer``) in place, through vLLM's sparse patch path; repack the tied head if asked. Returns the
-        number of patches taken."""
+    def _faircast_write(self, expect: int | None, write) -> dict:
+        """``write()`` if the engine is at version ``expect`` (None: at any), then advance the version; returns
+        ``{"version": new}``, or ``{"stale": current}`` with nothing written."""
+        current = self.faircast_version()
+        if expect is not None and expect != current:
+            return {"stale": current}
+        write()
+        self._faircast_version = current + 1
+        return {"version": current + 1}
+
+    def faircast_push(self, buffer: str, specs: list[Spec], repack_head: bool, expect: int | None) -> dict:
+        """Rebuild the layers of the tensors ``specs`` name in the shared buffer ``buffer`` (whole layers, checkpoint
+        format) through the in-place reload, and repack the tied head if asked, over version ``expect``
+        (:meth:`faircast_version`)."""
         buf = self._faircast_buffer(buffer)
-        compat.patch(self, [(n, tuple(shape), buf.view(i), buf.view(v)) for n, shape, i, v in patches],
-                     getattr(torch, dtype))
-        if repack_head:
-            compat.repack(compat.model(self).lm_head)
-        return len(patches)
+
+        def write():
+            compat.reload(self, [(s[0], buf.view(s)) for s in specs])
+            if repack_head:
+                compat.repack(compat.model(self).lm_head)
+        return self._faircast_write(expect, write)
+
+    def faircast_patch(self, buffer: str, patches: list[list], dtype: str, repack_head: bool,
+                       expect: int | None) -> dict:
+        """Write sparse patches ``[name, full shape, index spec, values spec]`` (index and values in the shared
+        buffer ``buffer``) in place, through vLLM's sparse patch path, and repack the tied head if asked, over
+        version ``expect`` (as :meth:`faircast_push`)."""
+        buf = self._faircast_buffer(buffer)
+
+        def write():
+            compat.patch(self, [(n, tuple(shape), buf.view(i), buf.view(v)) for n, shape, i, v in patches],
+                         getattr(torch, dtype))
+            if repack_head:
+                compat.repack(compat.model(self).lm_head)
+        return self._faircast_write(expect, write)
 
 
 def _effective(mod, leaf: str, dt: torch.dtype) -> torch.Tensor:
