@@ -53,7 +53,8 @@ def test_deltas_take_the_sparse_path_where_the_engine_allows_and_whole_layers_ot
             assert p["engine_bytes"] == p["payload_bytes"], p
         else:  # every touched layer, whole
             assert p["engine_bytes"] >= 2 * 4096 and p["engine_bytes"] % 2 == 0, p
-    assert report["nan_delta"] == [True, True]  # a NaN value lands (whole-layer way) and verify() passes
+    # a NaN value lands (whole-layer way), verify() passes, and the copy keeps no autograd graph of the values
+    assert report["nan_delta"] == [True, True]
 
 
 @pytest.mark.slow
@@ -75,6 +76,9 @@ def test_bad_updates_raise_naming_the_tensor_and_write_nothing(report):
         "index out of range": ("ValueError", "index out of range [0, 2048)"),
         "delta values dtype": ("TypeError", "values are torch.float32"),
         "delta lengths": ("ValueError", "1-D of one length"),
+        "values not a tensor": ("TypeError", "values must be a tensor with data, got list"),
+        "meta tensor": ("TypeError", "the tensor must be a tensor with data, got a meta tensor"),
+        "given twice, first empty": ("ValueError", "given twice"),
     }
     for case, (kind, text) in expect.items():
         assert errors[case].startswith(kind) and text in errors[case], (case, errors[case])
@@ -129,14 +133,18 @@ def test_a_failed_push_raises_and_the_engine_and_the_copy_never_disagree(arch_re
     # the worker killed mid-push: raised at once (vLLM alone would wait forever), copy unchanged; a restarted
     # engine attached serves the copy, and the next push verifies
     assert f["die"]["engine_state"] == "unknown" and f["die"]["seconds"] < 10, f["die"]
-    # a hung push: raised after the push and the roll-back each ran out of timeout_s (5 s)
-    assert f["hang"]["engine_state"] == "unknown" and 5 <= f["hang"]["seconds"] < 20, f["hang"]
+    # a hung push: raised once the push ran out of timeout_s (5 s); no roll-back is sent to an engine whose RPC
+    # timed out (vLLM 0.32 would hand it the late answer), nor anything else until an attach to another engine
+    h = f["hang"]
+    assert h["engine_state"] == "unknown" and 5 <= h["seconds"] < 9 and "timed out" in h["error"], h
+    assert "restart the engine" in h["same_engine_refused"] and h["refused_in_s"] < 1, h
     # Ctrl-C while the engine takes a push: the copy is unchanged, verify() reports the engine's other weights, and
     # the next push (one tensor) rewrites every layer the interrupted one touched: verified again
     s = f["slow"]
     assert s["error"] == "KeyboardInterrupt" and s["copy_unchanged"] and s["seconds"] < 2.5, s
     assert "differ from what was sent" in s["verify_after_interrupt"] and s["next_push_verified"] > 0, s
     assert "serves another model" in arch_report["attach_other_model"] and arch_report["attach_kept_engine"]
+    assert f["signed_zero_and_subnormal_verified"] > 0  # -0.0 and 1e-40 read back through a kernel as +0
     for case in ("die", "hang"):
         assert f[case]["copy_unchanged"] and f[case]["attached"] > 0 and f[case]["next_push_verified"] > 0, f[case]
         assert "receiver.attach(llm)" in f[case]["error"]
@@ -149,5 +157,5 @@ def test_an_untested_architecture_is_refused_by_name(arch_report):
 
 
 @pytest.mark.slow
-def test_nothing_is_left_in_shared_memory(arch_report):
-    assert arch_report["shm_left"] == []
+def test_no_buffer_is_left_open(arch_report):
+    assert arch_report["open_buffers"] == []

@@ -22,8 +22,10 @@ def test_a_packed_update_reads_back_bit_for_bit_through_a_second_mapping():
         specs = buf.pack(tensors)
         peer = SharedBuffer(buf.path, buf.size)  # what the worker maps
     finally:
-        buf.unlink()
-    assert not os.path.exists(buf.path)  # unlinked: both mappings live on
+        buf.close()
+    assert not os.path.exists(buf.path)  # closed: no process can open it any more, both mappings live on
+    with pytest.raises(OSError, match="no shared buffer at /proc/"):  # and it is not created anew by opening it
+        SharedBuffer(buf.path, buf.size)
     assert all(s[3] % ALIGN == 0 for s in specs)
     for (name, t), spec in zip(tensors, specs):
         got = peer.view(spec)
@@ -35,7 +37,7 @@ def test_a_packed_update_reads_back_bit_for_bit_through_a_second_mapping():
 
 def test_an_update_that_does_not_fit_raises():
     buf = SharedBuffer.create(64)
-    buf.unlink()
+    buf.close()
     with pytest.raises(ValueError, match="do not fit the 64-byte shared buffer"):
         buf.pack([("w", torch.zeros(40, dtype=torch.bfloat16))])
 

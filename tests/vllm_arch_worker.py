@@ -131,6 +131,14 @@ def faults(llm, receiver, path: str, fault_file: str) -> tuple[dict, object]:
     rep = {}
     receiver.timeout_s = 5
     g = torch.Generator().manual_seed(5)
+    # -0.0 and a subnormal in a linear weight and the tied embedding: the kernel read-back gives +0 for both
+    odd = []
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        t = receiver.weights[name].clone()
+        t.view(-1)[3], t.view(-1)[4] = -0.0, 1e-40
+        odd.append((name, t))
+    receiver.load(odd)
+    rep["signed_zero_and_subnormal_verified"] = receiver.verify()
     for fault in ("raise", "slow", "die", "hang"):
         with open(fault_file, "w") as f:
             f.write(fault)
@@ -167,6 +175,14 @@ def faults(llm, receiver, path: str, fault_file: str) -> tuple[dict, object]:
             receiver.load(update[:1])
             case["next_push_verified"] = receiver.verify()
         else:  # restart, attach: the new engine serves the copy; then the next push lands
+            if fault == "hang":  # the engine whose RPC timed out is not called again
+                t0 = time.monotonic()
+                try:
+                    receiver.attach(llm)
+                    case["same_engine_refused"] = "no error"
+                except RuntimeError as err:
+                    case["same_engine_refused"] = str(err)
+                case["refused_in_s"] = time.monotonic() - t0
             stop(llm)
             llm = start(path, "vllm_faults.FaultyExtension")
             case["attached"] = receiver.attach(llm)
@@ -213,8 +229,9 @@ def main(out_json: str) -> None:
     except ValueError as err:
         report["moe_refused"] = str(err)
     stop(llm)
-    from vllm_receiver.transport import shm_dir
-    report["shm_left"] = [f for f in os.listdir(shm_dir()) if f.startswith(f"faircast-{os.getpid()}-")]
+    # every buffer is an anonymous memory file whose descriptor the trainer closed once the worker mapped it
+    report["open_buffers"] = [fd for fd in os.listdir(f"/proc/{os.getpid()}/fd")
+                              if "faircast-buffer" in os.path.realpath(f"/proc/{os.getpid()}/fd/{fd}")]
     with open(out_json, "w") as f:
         json.dump(report, f)
 

@@ -156,6 +156,12 @@ def main(out_json: str) -> None:
                                                            torch.zeros(2, dtype=torch.bfloat16))]),
             "delta values dtype": lambda: receiver.apply([(name, torch.tensor([0]), torch.zeros(1))]),
             "delta lengths": lambda: receiver.apply([(name, torch.tensor([0, 1]), torch.zeros(1, dtype=torch.bfloat16))]),
+            "values not a tensor": lambda: receiver.apply([(name, torch.tensor([0]), [1.0])]),
+            "meta tensor": lambda: receiver.load([(name, torch.empty(w[name].shape, dtype=torch.bfloat16,
+                                                                       device="meta"))]),
+            "given twice, first empty": lambda: receiver.apply([
+                (name, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.bfloat16)),
+                (name, torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))]),
         }
         for what, call in cases.items():
             try:
@@ -167,7 +173,7 @@ def main(out_json: str) -> None:
         report["copy_unchanged"] = all(torch.equal(bits(receiver.weights[n].reshape(-1)), bits(t.reshape(-1))) for n, t in w.items())
         # a NaN served value (Fair Cast keeps NaN a NaN): vLLM's sparse path reserves NaN, so it goes whole-layer
         from vllm_receiver import EngineUpdateError
-        nan_delta = [(name, torch.tensor([5]), torch.tensor([float("nan")], dtype=torch.bfloat16))]
+        nan_delta = [(name, torch.tensor([5]), torch.tensor([float("nan")], dtype=torch.bfloat16, requires_grad=True))]
         fresh = VllmReceiver(receiver.llm)  # a second receiver on the engine: its pushes make the first one stale
         for recv in (fresh, receiver):
             try:
@@ -177,7 +183,8 @@ def main(out_json: str) -> None:
                 recv.attach(recv.llm)  # serve its copy again, then the delta lands
                 recv.apply(nan_delta)
             recv.verify()
-            report.setdefault("nan_delta", []).append(bool(recv.read([name])[name].reshape(-1)[5].isnan()))
+            report.setdefault("nan_delta", []).append(bool(recv.read([name])[name].reshape(-1)[5].isnan())
+                                                      and not recv.weights[name].requires_grad)
         # a planted partial write: one shard of a fused layer, straight through the reload receiver.load avoids
         from vllm_receiver import WeightMismatch
         q = "model.layers.1.self_attn.q_proj.weight"

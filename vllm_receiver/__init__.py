@@ -11,7 +11,7 @@ An engine adapter beside the framework adapters: it imports vLLM only inside the
 (:mod:`vllm_receiver.extension`, every vLLM internal in :mod:`vllm_receiver.compat`), and the trainer side needs
 only torch. How it works:
 
-* **Transport**: one shared-memory buffer that trainer and worker map once (:mod:`vllm_receiver.transport`);
+* **Transport**: one anonymous shared-memory buffer that trainer and worker map once (:mod:`vllm_receiver.transport`);
   an update is copied in and the worker gets ``[name, dtype, shape, offset]`` per tensor by RPC, by method name
   (``collective_rpc("faircast_push", args=...)``). Nothing is pickled: vLLM's
   ``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off. Host only (the engine on the trainer's machine, the CPU
@@ -112,6 +112,7 @@ class VllmReceiver:
                  allow_untested: bool = False):
         self.timeout_s, self.allow_untested = timeout_s, allow_untested
         self.buffer: SharedBuffer | None = None
+        self._lost = None  # the engine an RPC timed out on: never called again
         self._connect(llm)
         if sparse_deltas and not self.layout["in_place"]:
             raise ValueError("VllmReceiver: sparse_deltas=True, but the engine's CPU backend repacked its linear "
@@ -174,6 +175,9 @@ class VllmReceiver:
             RuntimeError: the engine died, or answered with no result. TimeoutError: no answer in
             :attr:`timeout_s` seconds. Whatever the worker method raised (as vLLM reports it).
         """
+        if self.llm is self._lost:
+            raise RuntimeError(f"an earlier RPC into this vLLM engine timed out: vLLM 0.32 hands every later answer to "
+                               f"the wrong call; restart the engine and call receiver.attach(llm) ({method} not sent)")
         box: dict = {}
 
         def call():
@@ -190,8 +194,11 @@ class VllmReceiver:
             if thread.is_alive() and compat.engine_dead(self.llm):
                 raise RuntimeError(f"the vLLM engine died during {method}")
             if thread.is_alive() and time.monotonic() > deadline:
+                self._lost = self.llm
                 raise TimeoutError(f"the vLLM engine did not answer {method} within {self.timeout_s} s")
         if "error" in box:
+            if compat.is_timeout(box["error"]):
+                self._lost = self.llm  # no later answer can be trusted
             raise box["error"]
         result = box.get("result")
         if not isinstance(result, list) or len(result) != 1 or result[0] is None:
@@ -206,7 +213,7 @@ class VllmReceiver:
             try:
                 self._rpc("faircast_map", buffer.path, buffer.size, self.buffer and self.buffer.path)
             finally:
-                buffer.unlink()  # both sides hold the mapping: nothing is left behind if either dies
+                buffer.close()  # both sides hold the mapping
             self.buffer = buffer
         return self.buffer
 
@@ -245,6 +252,7 @@ class VllmReceiver:
             self._check_name(name)
             if name in new:
                 raise ValueError(f"VllmReceiver.load: {name!r} given twice in one update")
+            _check_tensor("VllmReceiver.load", name, "the tensor", t)
             if t.dtype != self.dtype:
                 raise TypeError(f"VllmReceiver.load: {name!r} is {t.dtype}; the engine serves {self.dtype}")
             if tuple(t.shape) != tuple(self.weights[name].shape):
@@ -271,11 +279,14 @@ class VllmReceiver:
             twice. Nothing is written then.
             EngineUpdateError: the engine did not take the update (see its ``engine_state``).
         """
-        staged, patches, payload = {}, [], 0
+        staged, patches, payload, seen = {}, [], 0, set()
         for name, index, values in deltas:
             self._check_name(name)
-            if name in staged:
+            if name in seen:
                 raise ValueError(f"VllmReceiver.apply: {name!r} given twice in one update")
+            seen.add(name)
+            _check_tensor("VllmReceiver.apply", name, "values", values)
+            _check_tensor("VllmReceiver.apply", name, "index", index)
             if values.dtype != self.dtype:
                 raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {self.dtype}")
             if index.dtype not in (torch.int32, torch.int64):
@@ -289,7 +300,7 @@ class VllmReceiver:
                                  f"[{int(index.min())}, {int(index.max())}]")
             payload += nbytes(index) + nbytes(values)
             if index.numel():
-                index, values = index.to("cpu").contiguous(), values.to("cpu").contiguous()
+                index, values = index.detach().to("cpu").contiguous(), values.detach().to("cpu").contiguous()
                 t = self.weights[name].clone()
                 t.view(-1)[index.long()] = values
                 staged[name] = t
@@ -411,6 +422,13 @@ class VllmReceiver:
         """Host bytes of the receiver's copy (2 per served element for bf16); the shared buffer is
         ``receiver.buffer.size`` more."""
         return sum(nbytes(t) for t in self.weights.values())
+
+
+def _check_tensor(where: str, name: str, what: str, t) -> None:
+    """``t`` is a tensor holding data (not a list, not a meta tensor), else TypeError naming ``name``."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        raise TypeError(f"{where}: {name!r}: {what} must be a tensor with data, got "
+                        f"{'a meta tensor' if isinstance(t, torch.Tensor) else type(t).__name__}")
 
 
 def _numel(shape) -> int:

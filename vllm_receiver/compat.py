@@ -45,6 +45,14 @@ def architecture(llm) -> str:
     return (getattr(config, "architectures", None) or ["?"])[0]
 
 
+def is_timeout(err: BaseException) -> bool:
+    """An RPC ran past its timeout: vLLM 0.32's executor raises ``TimeoutError`` in the engine core and the client
+    re-raises it as ``Exception("Call to collective_rpc method failed: RPC call to ... timed out.")``. Its
+    ``MultiprocExecutor.collective_rpc`` tags no answer with its call, so the late answer is then handed to the next
+    call, and every later answer to the call after it: the engine cannot be used for RPCs again."""
+    return isinstance(err, TimeoutError) or "timed out" in str(err)
+
+
 # ------------------------------------------------------------------ worker side (``worker`` is vLLM's worker)
 def model(worker) -> torch.nn.Module:
     """The worker's model (``v1/worker/gpu_model_runner.py``: ``model_runner.model``, the CPU runner too)."""

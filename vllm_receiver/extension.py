@@ -20,14 +20,15 @@ from vllm_receiver.transport import SharedBuffer, Spec, aligned, dtype_name, nby
 
 
 def digest(t: torch.Tensor) -> str:
-    """BLAKE2b (16 bytes, hex) of ``t``'s bits, a 2-D tensor's rows holding a NaN or Inf made all NaN first:
-    read back through a kernel, one non-finite weight spreads over its row (0 * NaN, 0 * Inf are NaN in the
-    identity product)."""
-    t = t.contiguous().cpu()
-    if t.dim() == 2:
+    """BLAKE2b (16 bytes, hex) of ``t``'s bits. A 2-D tensor (what is read back through a kernel: a linear's
+    weight, a tied head) is first made what any kernel read-back gives: its rows holding a NaN or Inf all NaN
+    (0 * NaN, 0 * Inf are NaN in the identity product), and its zeros and subnormals +0 (the identity product
+    turns -0 into +0; the AVX512-BF16 kernels flush subnormals). So ±0 and subnormal weights compare as +0 there."""
+    t = t.detach().contiguous().cpu()
+    if t.dim() == 2 and t.is_floating_point():
+        t = torch.where(t.abs() < torch.finfo(t.dtype).tiny, torch.zeros((), dtype=t.dtype), t)
         bad = ~torch.isfinite(t).all(1)
         if bad.any():
-            t = t.clone()
             t[bad] = float("nan")
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
     return hashlib.blake2b(t.view(bits).numpy().tobytes(), digest_size=16).hexdigest()

@@ -1,19 +1,19 @@
 """The shared-memory transport between a trainer and a vLLM worker on one host.
 
-One buffer, a file in ``/dev/shm`` (the host's RAM), is mapped once by both processes
-(``torch.from_file(path, shared=True)``); an update copies its tensors into it and sends the engine only
-``[name, dtype, shape, offset]`` per tensor, by name, to a worker extension method. No tensor and no code is
-pickled, and the bytes move at memory speed (two copies: trainer -> buffer -> engine). The file is unlinked
-as soon as the worker has mapped it, so nothing is left in ``/dev/shm`` when either process dies. The buffer is
-sized to the largest update seen and reused; a larger update maps a larger one.
+One buffer, an anonymous memory file (``memfd_create``) of the trainer, is mapped once by both processes: the
+worker opens it through ``/proc/<trainer pid>/fd/<fd>`` while the trainer holds the descriptor
+(``torch.from_file(path, shared=True)``), and the trainer closes the descriptor once both have mapped it. No name
+is ever made in a file system, so nothing is left behind when either process dies, however it dies. An update
+copies its tensors into the buffer and sends the engine only ``[name, dtype, shape, offset]`` per tensor, by name,
+to a worker extension method: no tensor and no code is pickled, and the bytes move at memory speed (two copies:
+trainer -> buffer -> engine). The buffer is sized to the largest update seen and reused; a larger update maps a
+larger one. Linux only (``memfd_create``, ``/proc``), as vLLM's CPU backend.
 
 A *spec* is the JSON-able ``[name, dtype name, shape, byte offset]`` of one tensor in the buffer.
 """
 from __future__ import annotations
 
 import os
-import tempfile
-import uuid
 
 import torch
 
@@ -36,46 +36,46 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def shm_dir() -> str:
-    """``/dev/shm`` where the host has it (RAM-backed), else the temporary folder."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
 class SharedBuffer:
-    """A byte buffer in shared memory, mapped by this process (``create``) or by the peer (``open``).
+    """A byte buffer in shared memory, made by this process (:meth:`create`) or mapped from the peer's ``path``.
 
     Attributes:
-        path: the file both sides map (unlinked by :meth:`unlink` once the peer has mapped it).
+        path: ``/proc/<pid>/fd/<fd>`` of the creating process: what the peer opens, while :meth:`close` has not
+            been called; it also names the buffer in the worker.
         size: its size in bytes.
         data: uint8 tensor ``[size]`` over the mapping.
+
+    Raises:
+        OSError: the path cannot be opened (its creator closed it, or died), naming it.
     """
 
-    def __init__(self, path: str, size: int):
-        self.path, self.size = path, int(size)
+    def __init__(self, path: str, size: int, fd: int | None = None):
+        self.path, self.size, self.fd = path, int(size), fd
+        if not os.path.exists(path):  # torch.from_file would create it
+            raise OSError(f"faircast: no shared buffer at {path} (its creator closed it or exited)")
         self.data = torch.from_file(path, shared=True, size=self.size, dtype=torch.uint8)
 
     @classmethod
     def create(cls, size: int) -> "SharedBuffer":
-        """A new zeroed buffer of ``size`` bytes (at least one alignment unit) in :func:`shm_dir`.
+        """A new zeroed buffer of ``size`` bytes (at least one alignment unit), an anonymous memory file.
 
         Raises:
-            OSError: the file cannot be created or sized (e.g. ``/dev/shm`` full), naming the path.
+            OSError: it cannot be made or sized (out of memory), naming the size.
         """
         size = max(aligned(size), ALIGN)
-        path = os.path.join(shm_dir(), f"faircast-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
-            with open(path, "wb") as f:
-                f.truncate(size)
+            fd = os.memfd_create("faircast-buffer")
+            os.ftruncate(fd, size)
         except OSError as err:
-            raise OSError(f"faircast: cannot create a {size}-byte shared buffer at {path}: {err}") from err
-        return cls(path, size)
+            raise OSError(f"faircast: cannot make a {size}-byte shared buffer: {err}") from err
+        return cls(f"/proc/{os.getpid()}/fd/{fd}", size, fd)
 
-    def unlink(self) -> None:
-        """Remove the file (the mappings stay valid); no error if it is gone."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+    def close(self) -> None:
+        """Close the creator's descriptor once the peer has mapped the buffer (both mappings stay valid); after
+        this no other process can open it."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def view(self, spec: Spec) -> torch.Tensor:
         """The tensor a spec names, as a view into the buffer (no copy)."""
