@@ -45,6 +45,7 @@ rounding), the architectures in :data:`vllm_receiver.compat.TESTED_ARCHITECTURES
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -118,7 +119,7 @@ class VllmReceiver:
             raise ValueError("VllmReceiver: sparse_deltas=True, but the engine's CPU backend repacked its linear "
                              "weights (their params are empty): only whole layers can be rewritten")
         self.sparse_deltas = self.layout["in_place"] if sparse_deltas is None else sparse_deltas
-        self.weights = self._read(None)
+        self.weights = self.read()
         if self.layout["tied"]:
             del self.weights["lm_head.weight"]  # what the head computes with, not a tensor of its own
         self.totals = dict(updates=0, payload_bytes=0, engine_bytes=0)
@@ -142,7 +143,7 @@ class VllmReceiver:
             shapes = list(layout["shapes"].values())
             if layout["tied"]:  # a read of every tensor also returns the head
                 shapes.append(layout["shapes"][f"{layout['embedding']}.weight"])
-            self._reserve(sum(aligned(_numel(s) * itemsize) for s in shapes), fresh=True)
+            self._reserve(sum(aligned(math.prod(s) * itemsize) for s in shapes), fresh=True)
         except BaseException:
             self.llm = previous  # a refused engine leaves the receiver as it was
             raise
@@ -383,16 +384,13 @@ class VllmReceiver:
                                 f"layers were rolled back and verified)", "not updated") from err
 
     # ------------------------------------------------------------------ checks
-    def _read(self, names: Iterable[str] | None) -> dict[str, torch.Tensor]:
+    def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The engine's effective weights (read back through its kernels), ``{name: tensor of dtype}``; with a tied
+        head also ``"lm_head.weight"`` (what the head computes with). Moves the tensors through the shared buffer:
+        the constructor seeds the copy with it; :meth:`verify` moves only digests."""
         specs = self._rpc("faircast_read", self.buffer.path, self.layout, None if names is None else sorted(names),
                           False)
         return {s[0]: self.buffer.view(s).clone() for s in specs}
-
-    def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """The engine's effective weights (read back through its kernels), ``{name: tensor of dtype}``; with a tied
-        head also ``"lm_head.weight"`` (what the head computes with). For tests and debugging: :meth:`verify` moves
-        only digests."""
-        return self._read(names)
 
     def verify(self, names: Iterable[str] | None = None) -> int:
         """Check that the engine's effective weights equal the receiver's copy, bit for bit.
@@ -429,13 +427,6 @@ def _check_tensor(where: str, name: str, what: str, t) -> None:
     if not isinstance(t, torch.Tensor) or t.is_meta:
         raise TypeError(f"{where}: {name!r}: {what} must be a tensor with data, got "
                         f"{'a meta tensor' if isinstance(t, torch.Tensor) else type(t).__name__}")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _extends(qualname: str) -> bool:

@@ -16,7 +16,7 @@ import hashlib
 import torch
 
 from vllm_receiver import compat
-from vllm_receiver.transport import SharedBuffer, Spec, aligned, dtype_name, nbytes
+from vllm_receiver.transport import SharedBuffer, Spec, dtype_name
 
 
 def digest(t: torch.Tensor) -> str:
@@ -54,19 +54,14 @@ class FairCastWorkerExtension:
             mod_name, _, leaf = name.rpartition(".")
             mod = model.get_submodule(mod_name)
             short = mod_name.rpartition(".")[2]
-            linear = compat.is_linear(mod)
+            linear, rows = compat.is_linear(mod), compat.vocab_rows(mod)
             if linear and leaf == "weight" and param.numel() == 0:
                 in_place = False
-            if linear:
-                full = compat.linear_shape(mod, leaf)
-            else:
-                rows = compat.vocab_rows(mod)
-                full = (rows, *param.shape[1:]) if rows is not None else tuple(param.shape)
+            full = compat.linear_shape(mod, leaf) if linear else tuple(param.shape)
             if short in packed and linear:  # fused: its checkpoint tensors, stacked by rows
                 prefix = mod_name[: len(mod_name) - len(short)]
                 parts = [[f"{prefix}{p}.{leaf}", n] for p, n in zip(packed[short], compat.output_sizes(mod))]
             else:
-                rows = compat.vocab_rows(mod)
                 parts = [[name, rows]]
                 if rows is not None and not compat.is_head(mod):
                     vocab, embedding = rows, mod_name
@@ -95,20 +90,10 @@ class FairCastWorkerExtension:
         """The engine's effective checkpoint tensors ``names`` (None: all; with a tied head also ``lm_head.weight``,
         what the head computes with), read back through their kernels: ``{name: digest}``, or written into the
         shared buffer ``buffer`` and returned as specs."""
-        wanted = None if names is None else set(names)
-        buf = self._faircast_buffer(buffer)
-        out, specs, offset = {}, [], 0
-        for name, t in self._faircast_effective(layout, wanted):
-            if digests:
-                out[name] = digest(t)
-                continue
-            spec = [name, dtype_name(t.dtype), list(t.shape), offset]
-            if offset + nbytes(t) > buf.size:
-                raise ValueError(f"faircast_read: the shared buffer ({buf.size} bytes) is too small")
-            buf.view(spec).copy_(t)
-            specs.append(spec)
-            offset += aligned(nbytes(t))
-        return out if digests else specs
+        tensors = self._faircast_effective(layout, None if names is None else set(names))
+        if digests:
+            return {name: digest(t) for name, t in tensors}
+        return self._faircast_buffer(buffer).pack(tensors)
 
     def _faircast_effective(self, layout: dict, wanted: set | None):
         model = compat.model(self)

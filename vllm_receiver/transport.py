@@ -13,7 +13,9 @@ A *spec* is the JSON-able ``[name, dtype name, shape, byte offset]`` of one tens
 """
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -81,14 +83,12 @@ class SharedBuffer:
         """The tensor a spec names, as a view into the buffer (no copy)."""
         _, dtype, shape, offset = spec
         dt = getattr(torch, dtype)
-        n = 1
-        for d in shape:
-            n *= int(d)
-        return self.data.narrow(0, int(offset), n * dt.itemsize).view(dt).view(*shape)
+        return self.data.narrow(0, int(offset), math.prod(shape) * dt.itemsize).view(dt).view(*shape)
 
     @torch.no_grad()
-    def pack(self, tensors: list[tuple[str, torch.Tensor]]) -> list[Spec]:
-        """Copy ``(name, tensor)`` pairs into the buffer, one after another (aligned); returns their specs.
+    def pack(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[Spec]:
+        """Copy ``(name, tensor)`` pairs into the buffer, one after another (aligned), as they come; returns their
+        specs.
 
         Raises:
             ValueError: they do not fit (see :func:`packed_size`).
@@ -97,7 +97,8 @@ class SharedBuffer:
         for name, t in tensors:
             n = nbytes(t)
             if offset + n > self.size:
-                raise ValueError(f"faircast: {packed_size(tensors)} bytes do not fit the {self.size}-byte shared buffer")
+                raise ValueError(f"faircast: the update's tensors do not fit the {self.size}-byte shared buffer "
+                                 f"({name!r} would end at byte {offset + n})")
             spec = [name, dtype_name(t.dtype), list(t.shape), offset]
             self.view(spec).copy_(t)
             specs.append(spec)
