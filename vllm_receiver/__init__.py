@@ -23,7 +23,8 @@ only torch. How it works:
   checkpoint tensors it gets. Its traps, closed here: a fused layer (``qkv_proj`` = q/k/v, ``gate_up_proj`` =
   gate/up) sent in part is rebuilt with the other parts uninitialised, so every push sends each touched layer
   *whole*, completed from the receiver's copy; a tied head keeps a packed copy of the embedding, repacked after
-  every push that touches the embedding; the prefix cache is reset after every push.
+  every push that touches the embedding; an MoE layer's experts, prepacked by the CPU kernel at the first load
+  only, are prepacked again after their reload (``docs/vllm.md``); the prefix cache is reset after every push.
 * **Deltas**: where the engine computes from its params in place (CUDA; the CPU backend where its GEMM falls back
   to torch's), a delta goes through vLLM's sparse patch path and only changed elements move; else the touched
   layers are rebuilt whole.
@@ -117,7 +118,8 @@ class VllmReceiver:
         self._connect(llm)
         if sparse_deltas and not self.layout["in_place"]:
             raise ValueError("VllmReceiver: sparse_deltas=True, but the engine's CPU backend repacked its linear "
-                             "weights (their params are empty): only whole layers can be rewritten")
+                             "weights (their params are empty) or prepacked its experts: only whole layers can be "
+                             "rewritten")
         self.sparse_deltas = self.layout["in_place"] if sparse_deltas is None else sparse_deltas
         self.weights = self.read()
         if self.layout["tied"]:
@@ -151,6 +153,8 @@ class VllmReceiver:
         self._version = self._rpc("faircast_version")  # the engine as this receiver last saw it
         self._unsure: set[str] = set()  # tensors an interrupted push may have left in the engine unlike the copy
         self._layer_of = {hf: mod for mod, params in layout["modules"].items() for _, parts in params for hf, _ in parts}
+        parts_of = {vname: [hf for hf, _ in parts] for params in layout["modules"].values() for vname, parts in params}
+        self._fused = {alias: (parts_of[vname], tuple(shape)) for alias, (vname, shape) in layout["fused"].items()}
 
     def _check(self, layout: dict) -> dict:
         """Refuse an engine this receiver cannot serve (see the constructor); returns ``layout``."""
@@ -234,7 +238,9 @@ class VllmReceiver:
 
     # ------------------------------------------------------------------ updates
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """A full update of some or all tensors: ``(name, tensor of the full shape)`` pairs, of :attr:`dtype`.
+        """A full update of some or all tensors: ``(name, tensor of the full shape)`` pairs, of :attr:`dtype`. An
+        MoE layer's experts go by their checkpoint names, one tensor per expert, or by transformers 5's fused ones
+        (``...mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``...mlp.experts.down_proj`` ``[E, H, I]``).
 
         One call per tensor, per bucket, or for the whole model: layers the update touches only in part are
         completed from the receiver's copy. Consumes ``weights`` (a generator, e.g. ``served_weights(engine)``,
@@ -249,7 +255,7 @@ class VllmReceiver:
             EngineUpdateError: the engine did not take the update (see its ``engine_state``).
         """
         new = {}
-        for name, t in weights:
+        for name, t in self._split(weights):
             self._check_name(name)
             if name in new:
                 raise ValueError(f"VllmReceiver.load: {name!r} given twice in one update")
@@ -265,7 +271,7 @@ class VllmReceiver:
 
     def apply(self, deltas: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
         """A delta update: ``(name, index, values)`` triples as ``served_deltas`` yields them (ascending int32/int64
-        flat indices into the full tensor, new values of :attr:`dtype`).
+        flat indices into the full tensor, new values of :attr:`dtype`; names as :meth:`load` takes them).
 
         Consumes ``deltas`` to its end. With :attr:`sparse_deltas` only the changed elements are written (in place,
         through vLLM's sparse patch path, which reserves NaN: an update carrying a NaN value is written the other
@@ -281,24 +287,12 @@ class VllmReceiver:
             EngineUpdateError: the engine did not take the update (see its ``engine_state``).
         """
         staged, patches, payload, seen = {}, [], 0, set()
-        for name, index, values in deltas:
+        for name, index, values in self._split_deltas(deltas):
             self._check_name(name)
             if name in seen:
                 raise ValueError(f"VllmReceiver.apply: {name!r} given twice in one update")
             seen.add(name)
-            _check_tensor("VllmReceiver.apply", name, "values", values)
-            _check_tensor("VllmReceiver.apply", name, "index", index)
-            if values.dtype != self.dtype:
-                raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {self.dtype}")
-            if index.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"VllmReceiver.apply: {name!r}: index is {index.dtype}; expected int32 or int64")
-            if index.dim() != 1 or index.shape != values.shape:
-                raise ValueError(f"VllmReceiver.apply: {name!r}: index {tuple(index.shape)} and values "
-                                 f"{tuple(values.shape)} must be 1-D of one length")
-            numel = self.weights[name].numel()
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= numel):
-                raise ValueError(f"VllmReceiver.apply: {name!r}: index out of range [0, {numel}): "
-                                 f"[{int(index.min())}, {int(index.max())}]")
+            self._check_delta(name, index, values, self.weights[name].numel())
             payload += nbytes(index) + nbytes(values)
             if index.numel():
                 index, values = index.detach().to("cpu").contiguous(), values.detach().to("cpu").contiguous()
@@ -309,6 +303,48 @@ class VllmReceiver:
         sparse = self.sparse_deltas and not any(torch.isnan(v).any() for *_, v in patches)
         self._commit(staged, payload=payload, patches=patches if sparse else None)
         return sum(i.numel() for _, i, _ in patches)
+
+    def _check_delta(self, name: str, index, values, numel: int) -> None:
+        _check_tensor("VllmReceiver.apply", name, "values", values)
+        _check_tensor("VllmReceiver.apply", name, "index", index)
+        if values.dtype != self.dtype:
+            raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {self.dtype}")
+        if index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"VllmReceiver.apply: {name!r}: index is {index.dtype}; expected int32 or int64")
+        if index.dim() != 1 or index.shape != values.shape:
+            raise ValueError(f"VllmReceiver.apply: {name!r}: index {tuple(index.shape)} and values "
+                             f"{tuple(values.shape)} must be 1-D of one length")
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= numel):
+            raise ValueError(f"VllmReceiver.apply: {name!r}: index out of range [0, {numel}): "
+                             f"[{int(index.min())}, {int(index.max())}]")
+
+    def _split(self, weights):
+        """``weights`` with each fused experts tensor (transformers 5's ``...mlp.experts.gate_up_proj``
+        ``[E, 2I, H]``, ``...mlp.experts.down_proj`` ``[E, H, I]``) given as its per-expert checkpoint tensors."""
+        for name, t in weights:
+            if name not in self._fused:
+                yield name, t
+                continue
+            names, shape = self._fused[name]
+            _check_tensor("VllmReceiver.load", name, "the tensor", t)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"VllmReceiver.load: {name!r} has shape {tuple(t.shape)}; the engine's is {shape}")
+            yield from zip(names, t.reshape(-1, shape[-1]).split([self.weights[n].shape[0] for n in names]))
+
+    def _split_deltas(self, deltas):
+        """``deltas`` with each fused experts tensor's (see :meth:`_split`) given as its per-expert tensors'."""
+        for name, index, values in deltas:
+            if name not in self._fused:
+                yield name, index, values
+                continue
+            names, shape = self._fused[name]
+            self._check_delta(name, index, values, math.prod(shape))
+            sizes = torch.tensor([self.weights[n].numel() for n in names])
+            ends, flat = sizes.cumsum(0), index.long()
+            part = torch.searchsorted(ends, flat, right=True)  # the per-expert tensor each element lies in
+            for p in part.unique().tolist():
+                sel = part == p
+                yield names[p], (flat[sel] - (ends[p] - sizes[p])).to(index.dtype), values[sel]
 
     def _check_name(self, name: str) -> None:
         if name not in self.weights:

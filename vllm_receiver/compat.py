@@ -7,14 +7,16 @@ inside the functions, so importing this module needs only torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 
 import torch
 
 #: the architectures whose checkpoint names, fused layers and read-back this receiver is tested with
 #: (``tests/test_vllm_receiver.py``); any other is refused unless the user opts in
 TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                        "Gemma3ForCausalLM")
+                        "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 # model_loader/reload/{inplace,layerwise}.py warn for every layer a partial reload leaves out: a partial
 # update is the point here
@@ -136,6 +138,118 @@ def quiet_partial_reload():
     finally:
         for lg in loggers:
             lg.removeFilter(f)
+
+
+# ------------------------------------------------------------------ fused experts (``model_executor/layers/fused_moe``)
+def is_experts(mod) -> bool:
+    """``mod`` is a fused-experts layer (``routed_experts.py: RoutedExperts``, its params ``w13_weight``,
+    ``w2_weight``)."""
+    return hasattr(mod, "get_expert_mapping") and hasattr(mod, "w13_weight")
+
+
+def expert_parts(mod) -> dict[str, tuple[list[list], str | None]] | None:
+    """A fused-experts layer's checkpoint tensors, per param: ``{"w13_weight": ([[name, rows], ...], fused name),
+    "w2_weight": ...}``, or None for any other module.
+
+    vLLM holds a layer's experts as ``w13_weight`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and
+    ``w2_weight`` ``[E, H, I]`` (its down projection); viewed as 2-D (``[E*2I, H]``, ``[E*H, I]``) each is the
+    per-expert checkpoint tensors (``...experts.0.gate_proj.weight``) stacked by rows, in expert order. The same
+    param is also one fused checkpoint tensor of its shape, the way transformers 5 holds experts
+    (``...experts.gate_up_proj``, ``...experts.down_proj``): its name, or None where the layer reads fused
+    checkpoints transposed. The names come from the layer's own map (``routed_experts.py:
+    RoutedExperts.get_expert_mapping``: ``(param prefix, checkpoint prefix, expert, shard)``, what its
+    ``load_weights`` substitutes), inverted.
+
+    Raises:
+        ValueError: the layer is laid out otherwise (its kernel pads the intermediate size, it holds only some
+            experts, it has no gate/up pair), naming the layer.
+    """
+    if not is_experts(mod):
+        return None
+    inter = mod.moe_config.intermediate_size_per_partition
+    parts, fused = {"w13_weight": [], "w2_weight": []}, {"w13_weight": None, "w2_weight": None}
+    for param_prefix, ckpt_prefix, expert, shard in sorted(mod.get_expert_mapping(), key=lambda m: (m[2], m[3])):
+        for leaf, rows in parts.items():
+            qual = f"{mod.layer_name}.{leaf}"
+            if param_prefix in qual:
+                rows.append([expert, qual.replace(param_prefix, ckpt_prefix),
+                             inter if shard in ("w1", "w3") else mod.w2_weight.shape[1]])
+    for param_prefix, ckpt_prefix, *_ in mod.get_expert_mapping(include_fused=True):
+        leaf = param_prefix.removeprefix("experts.")
+        if leaf in fused and not mod.is_fused_checkpoint_transposed:  # the whole param as one tensor
+            fused[leaf] = f"{mod.layer_name}.{leaf}".replace(param_prefix, ckpt_prefix)
+    for leaf, rows in parts.items():
+        shape = getattr(mod, leaf).shape
+        if sum(r for *_, r in rows) != shape[0] * shape[1] or {e for e, *_ in rows} != set(range(shape[0])):
+            raise ValueError(f"vllm_receiver: the experts of {mod.layer_name} are laid out as {leaf} "
+                             f"{tuple(shape)}, which is not their checkpoint tensors stacked (intermediate size "
+                             f"{inter}, padded by the kernel, or experts held in part): not supported")
+    return {leaf: ([[name, r] for _, name, r in rows], fused[leaf]) for leaf, rows in parts.items()}
+
+
+def _prepack_isa(mod) -> str | None:
+    """The ISA the CPU experts kernel prepacked ``mod``'s weights for (``experts/cpu_moe.py:
+    CPUUnquantizedExperts.process_weights_after_loading``), or None where the weights stay as loaded."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    kernel = getattr(mod.quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
+        return experts.isa
+    return None
+
+
+def experts_packed(mod) -> bool:
+    """The layer's expert weights are held prepacked for the CPU kernel (a sparse patch cannot land in them)."""
+    return _prepack_isa(mod) is not None
+
+
+@functools.lru_cache(maxsize=8)
+def _prepack_order(shape: tuple[int, int], isa: str) -> torch.Tensor:
+    """Where the prepack takes each element of one expert's ``[rows, cols]`` weight: packed flat ``[k]`` = loaded
+    flat ``[order[k]]`` (int64, ``rows * cols``). The prepack (``_custom_ops.py: cpu_prepack_moe_weight``) moves
+    bf16 bits without reading them, so the order is found by prepacking each element's index, 15 bits at a time,
+    as bf16 bit patterns; it packs each expert alone."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    n = math.prod(shape)
+    if n >= 1 << 30:
+        raise ValueError(f"vllm_receiver: an expert weight of shape {shape} is too large to read back")
+    index = torch.arange(n, dtype=torch.int32)
+
+    def packed(bits):
+        coded = bits.to(torch.int16).view(torch.bfloat16).reshape(1, *shape)
+        return cpu_prepack_moe_weight(coded, isa).view(torch.int16).reshape(-1).to(torch.int64)
+    return packed(index & 0x7FFF) | (packed(index >> 15) << 15)
+
+
+def expert_weight(mod, leaf: str) -> torch.Tensor:
+    """A fused-experts layer's ``w13_weight`` or ``w2_weight`` as loaded (``[E, rows, cols]``), undoing the CPU
+    kernel's prepack: exactly what its kernel computes with, in checkpoint layout."""
+    w = getattr(mod, leaf).detach()
+    isa = _prepack_isa(mod)
+    if isa is None:
+        return w
+    flat = w.reshape(w.shape[0], -1)
+    out = torch.empty_like(flat)
+    out[:, _prepack_order(tuple(w.shape[1:]), isa)] = flat
+    return out.view(w.shape)
+
+
+def prepack_experts(mod) -> None:
+    """Prepack a reloaded fused-experts layer for the CPU kernel again: vLLM 0.32 does it on the first load only
+    (``unquantized_fused_moe_method.py: _setup_kernel``), so a reloaded layer otherwise serves its loaded weights
+    through a kernel that reads them as packed. Call it for exactly the layers reloaded: it permutes whatever it
+    finds."""
+    if experts_packed(mod):
+        mod.quant_method.moe_kernel.fused_experts.process_weights_after_loading(mod)
+
+
+def drop_gate_caches(m: torch.nn.Module) -> None:
+    """Drop the MoE runners' router-and-shared-expert-gate concatenation (``runner/moe_runner.py:
+    MoERunner._combined_gate_weight``), built at the first forward from the gates' weights and never again: the
+    next forward rebuilds it from the reloaded gates. (In vLLM 0.32 only Qwen3-Next builds it.)"""
+    for mod in m.modules():
+        if getattr(mod, "_combined_gate_weight", None) is not None:
+            mod._combined_gate_weight = None
 
 
 def reload(worker, weights: list[tuple[str, torch.Tensor]]) -> None:

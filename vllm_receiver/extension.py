@@ -43,13 +43,14 @@ class FairCastWorkerExtension:
         Returns:
             ``modules``: ``{vLLM module: [[vLLM param name, [[checkpoint name, rows or None], ...]], ...]}`` (a fused
             layer's checkpoint tensors stacked by rows; an embedding's rows past the vocabulary are padding);
-            ``shapes``: ``{checkpoint name: full shape}``; ``tied``, ``vocab``, ``embedding`` (the tied head's
+            ``shapes``: ``{checkpoint name: full shape}``; ``fused``: ``{fused experts checkpoint name: [vLLM param
+            name, shape]}`` (one tensor for all experts' gate/up or down, as transformers 5 names them); ``tied``, ``vocab``, ``embedding`` (the tied head's
             embedding module); ``in_place``: every linear computes from its live param (sparse patches land);
             ``dtype`` (name), ``tp``, ``pp``.
         """
         model = compat.model(self)
         packed = compat.packed_modules(model)
-        modules, shapes, vocab, embedding, in_place = {}, {}, None, None, True
+        modules, shapes, fused, vocab, embedding, in_place = {}, {}, {}, None, None, True
         for name, param in model.named_parameters():
             mod_name, _, leaf = name.rpartition(".")
             mod = model.get_submodule(mod_name)
@@ -58,7 +59,13 @@ class FairCastWorkerExtension:
             if linear and leaf == "weight" and param.numel() == 0:
                 in_place = False
             full = compat.linear_shape(mod, leaf) if linear else tuple(param.shape)
-            if short in packed and linear:  # fused: its checkpoint tensors, stacked by rows
+            if compat.is_experts(mod):  # fused experts: every expert's tensors, stacked by rows of the 2-D view
+                parts, alias = compat.expert_parts(mod)[leaf]
+                if alias:
+                    fused[alias] = [name, list(full)]
+                full = (full[0] * full[1], full[2])
+                in_place = in_place and not compat.experts_packed(mod)
+            elif short in packed and linear:  # fused: its checkpoint tensors, stacked by rows
                 prefix = mod_name[: len(mod_name) - len(short)]
                 parts = [[f"{prefix}{p}.{leaf}", n] for p, n in zip(packed[short], compat.output_sizes(mod))]
             else:
@@ -69,7 +76,7 @@ class FairCastWorkerExtension:
                 shapes[hf] = [rows, *full[1:]] if rows is not None else list(full)
             modules.setdefault(mod_name, []).append([name, parts])
         tp, pp = compat.parallel_sizes(self)
-        return dict(modules=modules, shapes=shapes, tied=bool(getattr(compat.hf_config(self), "tie_word_embeddings",
+        return dict(modules=modules, shapes=shapes, fused=fused, tied=bool(getattr(compat.hf_config(self), "tie_word_embeddings",
                                                                       False)),
                     vocab=vocab, embedding=embedding, in_place=in_place, dtype=dtype_name(compat.dtype(self)),
                     tp=tp, pp=pp)
@@ -136,8 +143,14 @@ class FairCastWorkerExtension:
 
         def write():
             compat.reload(self, [(s[0], buf.view(s)) for s in specs])
+            model, names = compat.model(self), {s[0] for s in specs}
+            for mod in model.modules():  # the reloaded expert layers, and only those, are prepacked again
+                if compat.is_experts(mod) and any(n in names for parts, _ in compat.expert_parts(mod).values()
+                                                  for n, _ in parts):
+                    compat.prepack_experts(mod)
+            compat.drop_gate_caches(model)
             if repack_head:
-                compat.repack(compat.model(self).lm_head)
+                compat.repack(model.lm_head)
         return self._faircast_write(expect, write)
 
     def faircast_patch(self, buffer: str, patches: list[list], dtype: str, repack_head: bool,
@@ -160,6 +173,8 @@ def _effective(mod, leaf: str, dt: torch.dtype) -> torch.Tensor:
     back through its kernel (``apply(layer, I) = W^T``, exact: one non-zero product per output), else the param
     (the CPU backend's small-GEMM kernel keeps a bf16 linear's bias in fp32, converted exactly from bf16)."""
     param = getattr(mod, leaf)
+    if compat.is_experts(mod):  # [E, rows, cols] as the 2-D stack of its checkpoint tensors
+        return compat.expert_weight(mod, leaf).flatten(0, 1).to(dt)
     if leaf == "weight" and (compat.is_linear(mod) or compat.is_head(mod)):
         eye = torch.eye(compat.in_features(mod), dtype=dt, device=param.device)
         return compat.apply_linear(mod, eye).t()
