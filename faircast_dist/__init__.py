@@ -3,7 +3,7 @@
 The casts exported here are the fast ones (:mod:`.fused`: the CPU kernel, Triton on a GPU);
 :mod:`.rounding` keeps the plain-torch casts of the same names as the executable spec.
 
-Modules: :mod:`.philox` (counter-based RNG), :mod:`.rounding` (the reference casts), :mod:`.fused`
+Modules: :mod:`.philox` (counter-based RNG), :mod:`.rounding` (the reference casts, bf16 and FP8), :mod:`.fp8` (FP8 scales), :mod:`.fused`
 (the kernels and their dispatch), :mod:`.shards`
 (global element indices), :mod:`.caster` (config + step + residuals), :mod:`.config`,
 :mod:`.telemetry`, :mod:`.delta` (delta export). No module under it imports an adapter, a

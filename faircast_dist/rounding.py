@@ -1,4 +1,5 @@
-"""The fp32 -> bf16 casts in plain torch, each on one shard with one call: the executable spec.
+"""The fp32 -> bf16 casts (and, at the end, fp32 -> FP8 E4M3) in plain torch, each on one shard with one call:
+the executable spec.
 
 The fast casts of the same names (:func:`faircast_dist.cast_stochastic`,
 :func:`faircast_dist.cast_error_feedback`, in :mod:`faircast_dist.fused`) give these bits (NaN
@@ -218,3 +219,123 @@ def cast_error_feedback(master: torch.Tensor, residual: torch.Tensor,
         return torch.where(finite, q, x.to(torch.bfloat16))
 
     return _chunked(master, out, chunk)
+
+
+# ----------------------------------------------------------------------------------------- fp32 -> FP8 E4M3
+# The FP8 casts round y = x / s (x the master, s its channel's or block's fp32 scale, docs/design.md "FP8
+# exports") onto the E4M3 grid (torch.float8_e4m3fn: 3 mantissa bits, exponent bias 7, no Inf, NaN 0x7f/0xff).
+# The grid's spacing is 2**(max(e, -6) - 3) for |y| in [2**e, 2**(e+1)): 2**-9 across the subnormals, where the
+# fp32 pattern trick above does not hold (the spacing stops shrinking with the exponent), so the rounding works
+# on t = |y| / spacing, exact in fp32 (a power-of-two scaling): the two neighbours are floor(t) and floor(t) + 1
+# spacings. Saturation: |y| is clamped at E4M3_MAX (448) first, like PTX ``cvt.rn.satfinite.e4m3x2.f32``;
+# a non-finite y gives NaN (E4M3 has no Inf).
+E4M3_MAX = 448.0
+
+
+def _e4m3_split(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``|y|`` clamped at 448 as ``(k, f, spacing)``: ``|y| = (k + f) * spacing`` with k an integer in [0, 16),
+    f in [0, 1) and spacing the E4M3 grid's spacing at |y| (all fp32, all exact)."""
+    a = torch.clamp(y.abs(), max=E4M3_MAX)
+    e = torch.clamp((a.view(torch.int32) >> 23) - 127, min=-6)  # fp32 exponent (zero and fp32 subnormals: -6)
+    spacing = torch.ldexp(torch.ones_like(a), e - 3)
+    t = a / spacing  # exact: a power of two
+    k = torch.floor(t)
+    return k, t - k, spacing
+
+
+def e4m3_round(y: torch.Tensor, bits16: torch.Tensor | None = None) -> torch.Tensor:
+    """Round fp32 ``y`` onto the E4M3 grid: to nearest even (``bits16`` None), or stochastically with 16
+    random bits per element.
+
+    Stochastic rounding: with ``f`` the fraction of a spacing above the lower (in magnitude) neighbour, truncated
+    to 16 bits (``f16 = floor(f * 2**16)``), |y| rounds away from zero iff ``f16 + bits16 >= 2**16``, i.e. with
+    probability ``f16 / 2**16``: E[q] = y to within 2**-16 of a spacing (the bits below the 16th are dropped
+    toward zero; bf16's cast keeps no such bits, FP8's keep 4 to 7 more than the 16 drawn).
+
+    Args:
+        y: float32 tensor, any shape (the scaled master).
+        bits16: int32 tensor shaped like ``y``, values in [0, 2**16) (``random_bits16``), or None.
+
+    Returns:
+        float8_e4m3fn tensor shaped like ``y``: ±0 keep their sign, finite values saturate at ±448, NaN and ±Inf
+        give NaN. Round-to-nearest equals ``y.clamp(-448, 448).to(torch.float8_e4m3fn)`` on finite ``y``.
+    """
+    if y.dtype != torch.float32:
+        raise TypeError(f"e4m3_round: y must be float32, got {y.dtype}")
+    k, f, spacing = _e4m3_split(y)
+    if bits16 is None:  # ties to even
+        up = (f > 0.5) | ((f == 0.5) & (torch.remainder(k, 2) == 1))
+    else:
+        up = torch.floor(f * 65536).to(torch.int32) + bits16 >= 65536
+    q = torch.copysign((k + up.float()) * spacing, y)  # exact: at most 5 significant bits
+    q = torch.where(torch.isfinite(y), q, torch.full_like(y, float("nan")))
+    return q.to(torch.float8_e4m3fn)
+
+
+def _check_fp8_args(master: torch.Tensor, scale: torch.Tensor) -> None:
+    if master.dtype != torch.float32:
+        raise TypeError(f"master shard must be float32, got {master.dtype}")
+    if scale.dtype != torch.float32 or scale.shape != master.shape:
+        raise ValueError(f"scale must be float32 shaped like the master shard {tuple(master.shape)} (one scale per "
+                         f"element: faircast_dist.fp8.element_scales), got {scale.dtype} {tuple(scale.shape)}")
+
+
+def cast_fp8_nearest(master: torch.Tensor, scale: torch.Tensor, via_bf16: bool = False) -> torch.Tensor:
+    """Round-to-nearest FP8: ``q = RTN(master / scale)``, what RL stacks serve today.
+
+    Args:
+        master: float32 shard, any shape.
+        scale: float32 per-element scales shaped like ``master`` (``faircast_dist.fp8.element_scales``).
+        via_bf16: round the master to bf16 first (``RTN(bf16(master) / scale)``): the stacks' double rounding,
+            kept for comparison.
+
+    Returns:
+        float8_e4m3fn tensor shaped like ``master``; ``q.float() * scale`` is the served weight.
+
+    Raises:
+        TypeError / ValueError: on wrong dtypes or shapes.
+    """
+    _check_fp8_args(master, scale)
+    x = master.to(torch.bfloat16).float() if via_bf16 else master
+    return e4m3_round(x / scale)
+
+
+def cast_fp8_stochastic(master: torch.Tensor, scale: torch.Tensor, key: tuple[int, int],
+                        index: torch.Tensor | int) -> torch.Tensor:
+    """Stochastic (or, with a dither key, dithered) FP8: ``q = SR(master / scale)`` with the element's 16 bits
+    from the same Philox stream as the bf16 cast (``key`` and global ``index`` as :func:`cast_stochastic`).
+
+    Returns:
+        float8_e4m3fn tensor shaped like ``master``: E[q * scale] = master to within 2**-16 of an FP8 spacing
+        times the scale (and the fp32 division's rounding).
+
+    Raises:
+        TypeError / ValueError: on wrong dtypes or shapes.
+    """
+    _check_fp8_args(master, scale)
+    check_stochastic_args(master, index, None)
+    bits = random_bits16(key, index if isinstance(index, int) else index.reshape(-1), numel=master.numel(),
+                         device=master.device).reshape(master.shape)
+    return e4m3_round(master / scale, bits)
+
+
+def cast_fp8_error_feedback(master: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Error-feedback FP8: ``y = master + residual; q = RTN(y / scale); residual <- y - q * scale`` (in place;
+    the residual is in the master's units, fp32, and ``q * scale`` is rounded before the subtraction: no fused
+    multiply-add). Where the master is not finite the residual is left unchanged and q is NaN.
+
+    Returns:
+        float8_e4m3fn tensor shaped like ``master``.
+
+    Raises:
+        TypeError / ValueError: on wrong dtypes or shapes, or a residual that is not fp32, contiguous and shaped
+        like ``master``.
+    """
+    _check_fp8_args(master, scale)
+    if residual.dtype != torch.float32 or residual.shape != master.shape or not residual.is_contiguous():
+        raise ValueError(f"residual must be a contiguous float32 tensor shaped like the master shard "
+                         f"{tuple(master.shape)}, got {residual.dtype} {tuple(residual.shape)}")
+    y = torch.where(residual == 0, master, master + residual)  # -0 + 0 would give +0: keep the master's sign
+    q = e4m3_round(y / scale)
+    residual.copy_(torch.where(torch.isfinite(master), y - q.float() * scale, residual))
+    return q

@@ -1,0 +1,207 @@
+"""The FP8 E4M3 spec: the casts onto the E4M3 grid (faircast_dist.rounding) and the sticky scales
+(faircast_dist.fp8). Exact bits where they are defined, statistics with stated tolerances."""
+import pytest
+import torch
+
+from faircast_dist.fp8 import Fp8Layout, element_scales, partial_absmax, sticky_scales
+from faircast_dist.philox import derive_dither_key, derive_key
+from faircast_dist.rounding import (E4M3_MAX, cast_fp8_error_feedback, cast_fp8_nearest, cast_fp8_stochastic,
+                                    e4m3_round)
+
+G = torch.Generator().manual_seed(0)
+
+
+def spread(n: int, lo: int = -14, hi: int = 10) -> torch.Tensor:
+    """Signed fp32 values over the binades 2**lo .. 2**hi (E4M3 subnormals, normals and past 448)."""
+    return (torch.rand(n, generator=G) * 2 - 1) * torch.exp2(torch.randint(lo, hi, (n,), generator=G).float())
+
+
+def bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def test_nearest_is_torchs_saturating_cast_bit_for_bit():
+    patterns = torch.randint(-2**31, 2**31 - 1, (1 << 18,), generator=G, dtype=torch.int64).to(torch.int32)
+    for y in (patterns.view(torch.float32), spread(1 << 18),
+              torch.tensor([0.0, -0.0, 448.0, 449.0, 464.0, 1e30, -1e30, 2**-9, 2**-10, 3 * 2**-11, 2**-6, 1.0625])):
+        finite = torch.isfinite(y)
+        ours = e4m3_round(y)
+        assert torch.equal(bits(ours[finite]), bits(y[finite].clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)))
+        assert torch.isnan(ours[~finite].float()).all()
+    assert bits(e4m3_round(torch.tensor([-0.0]))).item() == 0x80  # -0 keeps its sign
+
+
+def test_stochastic_lies_between_the_neighbours_and_bits_pick_which():
+    y = spread(1 << 16)
+    toward = e4m3_round(y, torch.zeros(y.shape, dtype=torch.int32)).float()
+    away = e4m3_round(y, torch.full(y.shape, 65535, dtype=torch.int32)).float()
+    q = e4m3_round(y, torch.randint(0, 65536, y.shape, generator=G, dtype=torch.int32)).float()
+    yc = y.clamp(-E4M3_MAX, E4M3_MAX)
+    # away is the upper neighbour, except where y sits less than 2**-16 of a spacing above the lower one
+    assert ((toward.abs() <= yc.abs()) & ((yc.abs() <= away.abs()) | (away == toward))).all()
+    assert (away != toward).float().mean() > 0.99
+    assert ((q == toward) | (q == away)).all()
+    grid = toward[toward.abs() < E4M3_MAX]  # values on the grid never move, whatever the bits
+    for r in (0, 1, 40000, 65535):
+        assert torch.equal(e4m3_round(grid, torch.full(grid.shape, r, dtype=torch.int32)).float(), grid)
+
+
+@pytest.mark.parametrize("y", [1.0 + 2**-5, 0.3, -3.1e-3, 2**-9 * 0.37, 447.9, 5.0e-4])
+def test_stochastic_is_unbiased_over_all_2_16_bits(y):
+    """Over every 16-bit draw, the mean equals y with its fraction truncated to 16 bits of a spacing: within
+    2**-16 spacing of y, exactly."""
+    r = torch.arange(65536, dtype=torch.int32)
+    x = torch.full((65536,), y, dtype=torch.float32)
+    q = e4m3_round(x, r).double()
+    lo = e4m3_round(x[:1], torch.zeros(1, dtype=torch.int32)).double()
+    spacing = (e4m3_round(x[:1], torch.full((1,), 65535, dtype=torch.int32)).double() - lo).abs()
+    frac16 = torch.floor((abs(float(x[0])) - lo.abs()) / spacing * 65536)
+    assert q.mean().item() == pytest.approx((lo.abs() + frac16 / 65536 * spacing).item() * (1 if y > 0 else -1),
+                                            abs=0, rel=1e-15)
+    assert abs(q.mean().item() - float(x[0])) <= spacing.item() * 2**-16
+
+
+def test_scales_fit_the_maximum_and_are_the_smallest_of_their_kind():
+    a = torch.cat([spread(1 << 16, -40, 40).abs(), torch.tensor([0.0, 448.0, 1.0, 2.0**-130])])
+    for ue8m0 in (False, True):
+        s = Fp8Layout(ue8m0=ue8m0).scales(a)
+        assert (a / s <= E4M3_MAX).all() and (s >= 2.0**-126).all()
+        big = a > E4M3_MAX * 2.0**-126
+        if ue8m0:
+            assert torch.equal(s, torch.exp2(torch.round(torch.log2(s))))  # powers of two
+            assert (a[big] / (s[big] / 2) > E4M3_MAX).all()  # half the scale would not fit
+        else:
+            smaller = torch.nextafter(s, torch.zeros_like(s))
+            assert (a[big] / smaller[big] > E4M3_MAX).all()
+    # the maximum lands at (or one FP8 step under) 448 with round-to-nearest
+    s = Fp8Layout().scales(a[big := a > 1e-30])
+    assert (e4m3_round(a[big] / s).float() >= 416).all()
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_sticky_scales_change_only_where_an_element_no_longer_fits(granularity):
+    layout, shape = Fp8Layout(granularity), (300, 200)  # blocks of 128 that the edges cut
+    master = torch.randn(shape, generator=G)
+    sidx = layout.scale_index(shape, 0, master.numel()).reshape(shape)
+    n = torch.Size(layout.scale_shape(shape)).numel()
+    s0, first = sticky_scales(layout, None, partial_absmax(master, sidx, n))
+    assert first.all() and s0.shape == (n,)
+    # an update that keeps every element within its scale: nothing rescaled, same scales
+    moved = master * 0.999
+    s1, re1 = sticky_scales(layout, s0, partial_absmax(moved, sidx, n))
+    assert not re1.any() and torch.equal(s1, s0)
+    # one element past 448 of its scale: its channel or block alone is set again
+    grown = master.clone()
+    grown[250, 150] = 1000.0
+    s2, re2 = sticky_scales(layout, s0, partial_absmax(grown, sidx, n))
+    want = 250 if granularity == "channel" else (250 // 128) * 2 + 150 // 128
+    assert re2.nonzero().flatten().tolist() == [want]
+    assert torch.equal(s2[re2 == 0], s0[re2 == 0]) and s2[want] > s0[want]
+    q = cast_fp8_nearest(grown, element_scales(s2, sidx))
+    assert (q.float().abs() <= E4M3_MAX).all() and not torch.isnan(q.float()).any()
+
+
+def test_absmax_skips_non_finite_elements():
+    y = torch.tensor([[1.0, float("nan"), -3.0], [float("inf"), -2.0, 0.5]])
+    assert partial_absmax(y, Fp8Layout().scale_index((2, 3), 0, 6).reshape(2, 3), 2).tolist() == [3.0, 2.0]
+
+
+def test_scale_layouts_match_vllms_shapes_and_names():
+    assert Fp8Layout("channel").scale_shape((300, 200)) == (300, 1)
+    assert Fp8Layout("block").scale_shape((300, 200)) == (3, 2)
+    assert (Fp8Layout("channel").scale_name, Fp8Layout("block").scale_name) == ("weight_scale", "weight_scale_inv")
+    idx = Fp8Layout("block").scale_index((300, 200), torch.tensor([0, 127, 128, 199, 128 * 200, 299 * 200 + 199]))
+    assert idx.tolist() == [0, 0, 1, 1, 2, 5]
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_shards_give_the_whole_tensors_scales_and_bytes(granularity):
+    """Any split of the flat elements (mid-row, mid-block starts, strided): partial absmax MAX-reduced, and the
+    stochastic cast keyed on global indices, equal the single-process export bit for bit."""
+    layout, shape = Fp8Layout(granularity), (300, 200)
+    master = torch.randn(shape, generator=G) * torch.exp2(torch.randint(-8, 8, (300, 1), generator=G).float())
+    flat = master.reshape(-1)
+    n = torch.Size(layout.scale_shape(shape)).numel()
+    whole_idx = layout.scale_index(shape, 0, flat.numel())
+    scales, _ = sticky_scales(layout, None, partial_absmax(flat, whole_idx, n))
+    key = derive_key(3, 7, "w")
+    whole = cast_fp8_stochastic(flat, element_scales(scales, whole_idx), key, 0)
+    cuts = [0, 1, 12345, 25600 + 77, 40000, flat.numel()]
+    shards = [torch.arange(a, b) for a, b in zip(cuts, cuts[1:])] + [torch.arange(5, flat.numel(), 3)]
+    reduced = torch.zeros(n)
+    for g in shards[:-1]:
+        reduced = torch.maximum(reduced, partial_absmax(flat[g], layout.scale_index(shape, g), n))
+    assert torch.equal(layout.scales(reduced), scales)
+    for g in shards:
+        part = cast_fp8_stochastic(flat[g], element_scales(scales, layout.scale_index(shape, g)), key, g)
+        assert torch.equal(bits(part), bits(whole[g]))
+
+
+def test_stochastic_and_dithered_are_unbiased_in_the_served_weight():
+    """Mean over 4000 exports of q * s vs the master, per element: within 5 standard errors of a Bernoulli over
+    one spacing (sd <= spacing / 2)."""
+    layout, shape = Fp8Layout(), (4, 64)
+    master = torch.randn(shape, generator=G)
+    sidx = layout.scale_index(shape, 0, master.numel()).reshape(shape)
+    s = element_scales(sticky_scales(layout, None, partial_absmax(master, sidx, 4))[0], sidx)
+    steps = 4000
+    total = torch.zeros(shape, dtype=torch.float64)
+    for step in range(steps):
+        total += cast_fp8_stochastic(master, s, derive_key(0, step, "w"), 0).double() * s
+    spacing = (e4m3_round(master / s, torch.full(shape, 65535, dtype=torch.int32)).double()
+               - e4m3_round(master / s, torch.zeros(shape, dtype=torch.int32)).double()).abs() * s
+    assert ((total / steps - master).abs() <= 5 * spacing / 2 / steps**0.5 + 1e-7).all()
+    near = cast_fp8_nearest(master, s).double() * s
+    assert ((near - master).abs() > 0.2 * spacing).any()  # the test could tell a biased cast apart
+    # dithered: the same bits at every export for an unchanged master
+    d = derive_dither_key(0, "w")
+    assert torch.equal(bits(cast_fp8_stochastic(master, s, d, 0)), bits(cast_fp8_stochastic(master, s, d, 0)))
+
+
+def test_error_feedback_loses_no_update_that_nearest_drops():
+    """Masters on the grid (scale 0.5: spacing 0.25 in [2, 4)) moved by 0.01 per step for 10 steps: round-to-
+    nearest serves the start all along (every update dropped); error feedback's served weights add up to the
+    masters' within half a spacing (sum(q * s - master) = -residual), and the residual is y - q * s as defined."""
+    shape = (8, 32)
+    start = 2 + 0.25 * torch.randint(0, 8, shape, generator=G).float()
+    s, m, residual = torch.full(shape, 0.5), start.clone(), torch.zeros(shape)
+    ef_total, moved = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool)
+    for _ in range(10):
+        m += 0.01
+        y = m + residual
+        q = cast_fp8_error_feedback(m, s, residual)
+        assert torch.equal(residual, y - q.float() * s)
+        assert torch.equal(cast_fp8_nearest(m, s).float() * s, start)
+        ef_total += q.float() * s - m
+        moved |= q.float() * s != start
+    assert (ef_total.abs() <= 0.125 + 1e-5).all() and moved.all()
+
+
+def test_error_feedback_non_finite_master_keeps_its_residual():
+    master = torch.tensor([1.0, float("nan"), float("inf"), -0.0])
+    residual = torch.tensor([0.01, 0.02, 0.03, 0.0])
+    q = cast_fp8_error_feedback(master, torch.ones(4), residual)
+    assert torch.isnan(q.float()[1:3]).all() and residual[1:3].tolist() == pytest.approx([0.02, 0.03])
+    assert bits(q)[3].item() == 0x80 and residual[3].item() == 0.0
+
+
+def test_double_rounding_through_bf16_is_a_different_cast():
+    layout, shape = Fp8Layout(), (64, 64)
+    master = torch.randn(shape, generator=G)
+    sidx = layout.scale_index(shape, 0, master.numel()).reshape(shape)
+    s = element_scales(sticky_scales(layout, None, partial_absmax(master, sidx, 64))[0], sidx)
+    direct, twice = cast_fp8_nearest(master, s), cast_fp8_nearest(master, s, via_bf16=True)
+    assert 0 < (bits(direct) != bits(twice)).sum() < master.numel() // 50
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="granularity"):
+        Fp8Layout("tensor")
+    with pytest.raises(ValueError, match="2-D"):
+        Fp8Layout().scale_shape((4, 4, 4))
+    with pytest.raises(ValueError, match="scale must be float32 shaped like"):
+        cast_fp8_nearest(torch.ones(4, 4), torch.ones(4, 1))
+    with pytest.raises(TypeError, match="float32"):
+        cast_fp8_nearest(torch.ones(4, dtype=torch.bfloat16), torch.ones(4))
+    with pytest.raises(ValueError, match="residual"):
+        cast_fp8_error_feedback(torch.ones(4), torch.ones(4), torch.zeros(4, dtype=torch.bfloat16))
