@@ -64,19 +64,22 @@ class Fp8Layout:
         n, k = shape
         return (n, 1) if self.granularity == "channel" else (-(-n // BLOCK), -(-k // BLOCK))
 
-    def scale_index(self, shape: tuple[int, int], index: torch.Tensor | int, numel: int | None = None) -> torch.Tensor:
+    def scale_index(self, shape: tuple[int, int], index: torch.Tensor | int, numel: int | None = None,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
         """The flat scale index of each element.
 
         Args:
             shape: the weight's full shape ``[N, K]``.
             index: the elements' global flat indices (int64 tensor), or an int start of ``numel`` consecutive ones.
             numel: required with an int ``index``.
+            device: of the result, with an int ``index`` (a tensor ``index`` keeps its own).
 
         Returns:
             int64 tensor shaped like ``index`` (``[numel]`` for an int): indices into ``scales.reshape(-1)``.
         """
         self.scale_shape(shape)
-        g = torch.arange(index, index + numel, dtype=torch.int64) if isinstance(index, int) else index.to(torch.int64)
+        g = torch.arange(index, index + numel, dtype=torch.int64, device=device) if isinstance(index, int) \
+            else index.to(torch.int64)
         row, col = g // shape[1], g % shape[1]
         if self.granularity == "channel":
             return row
@@ -108,7 +111,7 @@ def partial_absmax(y: torch.Tensor, scale_index: torch.Tensor, num_scales: int) 
     Returns:
         float32 ``[num_scales]``: MAX-reduce it over the ranks that share a weight to get the weight's absmax.
     """
-    a = torch.where(torch.isfinite(y), y.abs(), torch.zeros((), dtype=y.dtype)).reshape(-1).float()
+    a = torch.where(torch.isfinite(y), y.abs(), torch.zeros((), dtype=y.dtype, device=y.device)).reshape(-1).float()
     out = torch.zeros(num_scales, dtype=torch.float32, device=y.device)
     return out.scatter_reduce_(0, scale_index.reshape(-1), a, reduce="amax")
 
