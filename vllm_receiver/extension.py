@@ -25,7 +25,7 @@ def digest(t: torch.Tensor) -> str:
     (0 * NaN, 0 * Inf are NaN in the identity product), and its zeros and subnormals +0 (the identity product
     turns -0 into +0; the AVX512-BF16 kernels flush subnormals). So ±0 and subnormal weights compare as +0 there."""
     t = t.detach().contiguous().cpu()
-    if t.dim() == 2 and t.is_floating_point():
+    if t.dim() == 2 and t.is_floating_point() and t.element_size() > 1:  # FP8 is read back as stored
         t = torch.where(t.abs() < torch.finfo(t.dtype).tiny, torch.zeros((), dtype=t.dtype), t)
         bad = ~torch.isfinite(t).all(1)
         if bad.any():
@@ -43,21 +43,23 @@ class FairCastWorkerExtension:
         Returns:
             ``modules``: ``{vLLM module: [[vLLM param name, [[checkpoint name, rows or None], ...]], ...]}`` (a fused
             layer's checkpoint tensors stacked by rows; an embedding's rows past the vocabulary are padding);
-            ``shapes``: ``{checkpoint name: full shape}``; ``fused``: ``{fused experts checkpoint name: [vLLM param
-            name, shape]}`` (one tensor for all experts' gate/up or down, as transformers 5 names them); ``tied``, ``vocab``, ``embedding`` (the tied head's
-            embedding module); ``in_place``: every linear computes from its live param (sparse patches land);
-            ``dtype`` (name), ``tp``, ``pp``.
+            ``shapes``: ``{checkpoint name: full shape}``; ``dtypes``: ``{checkpoint name: dtype name}`` (the
+            engine's, or FP8 and fp32 for an FP8 linear's weight and scales); ``fused``: ``{fused experts
+            checkpoint name: [vLLM param name, shape]}`` (one tensor for all experts' gate/up or down, as
+            transformers 5 names them); ``tied``, ``vocab``, ``embedding`` (the tied head's embedding module);
+            ``in_place``: every linear computes from its live param (sparse patches land); ``dtype`` (the
+            engine's, name), ``tp``, ``pp``.
         """
         model = compat.model(self)
         packed = compat.packed_modules(model)
-        modules, shapes, fused, vocab, embedding, in_place = {}, {}, {}, None, None, True
+        modules, shapes, dtypes, fused, vocab, embedding, in_place = {}, {}, {}, {}, None, None, True
         for name, param in model.named_parameters():
             mod_name, _, leaf = name.rpartition(".")
             mod = model.get_submodule(mod_name)
             short = mod_name.rpartition(".")[2]
             linear, rows = compat.is_linear(mod), compat.vocab_rows(mod)
-            if linear and leaf == "weight" and param.numel() == 0:
-                in_place = False
+            if linear and leaf == "weight" and (param.numel() == 0 or compat.is_fp8(param)):
+                in_place = False  # repacked, or FP8 held transposed: a sparse patch cannot land
             full = compat.linear_shape(mod, leaf) if linear else tuple(param.shape)
             if compat.is_experts(mod):  # fused experts: every expert's tensors, stacked by rows of the 2-D view
                 parts, alias = compat.expert_parts(mod)[leaf]
@@ -74,12 +76,12 @@ class FairCastWorkerExtension:
                     vocab, embedding = rows, mod_name
             for hf, rows in parts:
                 shapes[hf] = [rows, *full[1:]] if rows is not None else list(full)
+                dtypes[hf] = dtype_name(compat.checkpoint_dtype(leaf, param, compat.dtype(self)))
             modules.setdefault(mod_name, []).append([name, parts])
         tp, pp = compat.parallel_sizes(self)
-        return dict(modules=modules, shapes=shapes, fused=fused, tied=bool(getattr(compat.hf_config(self), "tie_word_embeddings",
-                                                                      False)),
-                    vocab=vocab, embedding=embedding, in_place=in_place, dtype=dtype_name(compat.dtype(self)),
-                    tp=tp, pp=pp)
+        tied = bool(getattr(compat.hf_config(self), "tie_word_embeddings", False))
+        return dict(modules=modules, shapes=shapes, dtypes=dtypes, fused=fused, tied=tied, vocab=vocab,
+                    embedding=embedding, in_place=in_place, dtype=dtype_name(compat.dtype(self)), tp=tp, pp=pp)
 
     def faircast_map(self, path: str, size: int, replaces: str | None) -> int:
         """Map a receiver's shared buffer, known by its ``path`` from now on, dropping the one it ``replaces`` (that
@@ -110,7 +112,7 @@ class FairCastWorkerExtension:
             for vname, parts in params:
                 if wanted is not None and not any(p in wanted for p, _ in parts):
                     continue
-                full = _effective(mod, vname.rpartition(".")[2], dt)
+                full = _effective(mod, vname.rpartition(".")[2], getattr(torch, layout["dtypes"][parts[0][0]]))
                 row = 0
                 for hf, rows in parts:
                     piece = full[row: row + rows] if rows is not None else full
@@ -169,12 +171,15 @@ class FairCastWorkerExtension:
 
 
 def _effective(mod, leaf: str, dt: torch.dtype) -> torch.Tensor:
-    """What ``mod`` computes with for its param ``leaf``, in the engine's dtype: a linear's or head's weight read
-    back through its kernel (``apply(layer, I) = W^T``, exact: one non-zero product per output), else the param
-    (the CPU backend's small-GEMM kernel keeps a bf16 linear's bias in fp32, converted exactly from bf16)."""
+    """What ``mod`` computes with for its param ``leaf``, in its checkpoint dtype ``dt``: a linear's or head's weight
+    read back through its kernel (``apply(layer, I) = W^T``, exact: one non-zero product per output), an FP8
+    weight as stored, an MoE layer's experts un-permuted, else the param (the CPU backend's small-GEMM kernel keeps a
+    bf16 linear's bias in fp32, converted exactly from bf16)."""
     param = getattr(mod, leaf)
     if compat.is_experts(mod):  # [E, rows, cols] as the 2-D stack of its checkpoint tensors
         return compat.expert_weight(mod, leaf).flatten(0, 1).to(dt)
+    if compat.is_fp8(param):  # FP8: the stored bytes (the kernel dequantizes them with the scales)
+        return compat.fp8_weight(mod)
     if leaf == "weight" and (compat.is_linear(mod) or compat.is_head(mod)):
         eye = torch.eye(compat.in_features(mod), dtype=dt, device=param.device)
         return compat.apply_linear(mod, eye).t()
