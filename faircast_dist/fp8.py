@@ -95,7 +95,8 @@ class Fp8Layout:
         a = torch.clamp(absmax.float(), min=E4M3_MAX * _MIN_SCALE)
         if self.ue8m0:
             m, e = torch.frexp(a)  # a = m * 2**e, m in [0.5, 1); 448 = 0.875 * 2**9
-            return torch.ldexp(torch.ones_like(a), torch.where(m <= 0.875, e - 9, e - 8))
+            s = torch.ldexp(torch.ones_like(a), torch.where(m <= 0.875, e - 9, e - 8))
+            return torch.where(torch.isfinite(a), s, a / E4M3_MAX)  # NaN / Inf stay what they are
         s = a / E4M3_MAX
         return torch.where(a / s > E4M3_MAX, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
 
@@ -132,7 +133,9 @@ def sticky_scales(layout: Fp8Layout, previous: torch.Tensor | None,
     fresh = layout.scales(absmax)
     if previous is None:
         return fresh, torch.ones(fresh.shape, dtype=torch.bool, device=fresh.device)
-    rescaled = absmax / previous > E4M3_MAX
+    # set again where the maximum no longer fits, and where the kept scale is no scale (NaN, Inf, <= 0: a corrupt
+    # checkpoint's), which would otherwise serve NaN for good
+    rescaled = ~(absmax / previous <= E4M3_MAX) | ~(previous > 0) | ~torch.isfinite(previous)
     return torch.where(rescaled, fresh, previous), rescaled
 
 

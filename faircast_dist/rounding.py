@@ -272,6 +272,16 @@ def e4m3_round(y: torch.Tensor, bits16: torch.Tensor | None = None) -> torch.Ten
     return q.to(torch.float8_e4m3fn)
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _scaled(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``y / scale``, saturated at ±448 where ``y`` is finite (a finite value whose quotient overflows to Inf is
+    served as ±448, never NaN)."""
+    q = y / scale
+    return torch.where(torch.isfinite(y), torch.clamp(q, -E4M3_MAX, E4M3_MAX), q)
+
+
 def _check_fp8_args(master: torch.Tensor, scale: torch.Tensor) -> None:
     if master.dtype != torch.float32:
         raise TypeError(f"master shard must be float32, got {master.dtype}")
@@ -297,7 +307,7 @@ def cast_fp8_nearest(master: torch.Tensor, scale: torch.Tensor, via_bf16: bool =
     """
     _check_fp8_args(master, scale)
     x = master.to(torch.bfloat16).float() if via_bf16 else master
-    return e4m3_round(x / scale)
+    return e4m3_round(_scaled(x, scale))
 
 
 def cast_fp8_stochastic(master: torch.Tensor, scale: torch.Tensor, key: tuple[int, int],
@@ -316,13 +326,14 @@ def cast_fp8_stochastic(master: torch.Tensor, scale: torch.Tensor, key: tuple[in
     check_stochastic_args(master, index, None)
     bits = random_bits16(key, index if isinstance(index, int) else index.reshape(-1), numel=master.numel(),
                          device=master.device).reshape(master.shape)
-    return e4m3_round(master / scale, bits)
+    return e4m3_round(_scaled(master, scale), bits)
 
 
 def cast_fp8_error_feedback(master: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """Error-feedback FP8: ``y = master + residual; q = RTN(y / scale); residual <- y - q * scale`` (in place;
     the residual is in the master's units, fp32, and ``q * scale`` is rounded before the subtraction: no fused
-    multiply-add). Where the master is not finite the residual is left unchanged and q is NaN.
+    multiply-add). For a finite master, ``y`` saturates at ±fp32 max and ``y / scale`` at ±448, so q and the
+    residual stay finite. Where the master is not finite the residual is left unchanged and q is NaN.
 
     Returns:
         float8_e4m3fn tensor shaped like ``master``.
@@ -336,6 +347,7 @@ def cast_fp8_error_feedback(master: torch.Tensor, scale: torch.Tensor, residual:
         raise ValueError(f"residual must be a contiguous float32 tensor shaped like the master shard "
                          f"{tuple(master.shape)}, got {residual.dtype} {tuple(residual.shape)}")
     y = torch.where(residual == 0, master, master + residual)  # -0 + 0 would give +0: keep the master's sign
-    q = e4m3_round(y / scale)
+    y = torch.where(torch.isfinite(master), torch.clamp(y, -_FP32_MAX, _FP32_MAX), y)  # never Inf from finite
+    q = e4m3_round(_scaled(y, scale))
     residual.copy_(torch.where(torch.isfinite(master), y - q.float() * scale, residual))
     return q

@@ -101,6 +101,31 @@ def test_sticky_scales_change_only_where_an_element_no_longer_fits(granularity):
     assert (q.float().abs() <= E4M3_MAX).all() and not torch.isnan(q.float()).any()
 
 
+def test_a_kept_scale_that_is_no_scale_is_set_again():
+    """A NaN, Inf, zero or negative scale (a corrupt checkpoint's) would serve NaN or nonsense for good."""
+    bad = torch.tensor([float("nan"), float("inf"), 0.0, -1.0, 0.0, 1.0])
+    absmax = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    for ue8m0 in (False, True):
+        layout = Fp8Layout(ue8m0=ue8m0)
+        scales, rescaled = sticky_scales(layout, bad, absmax)
+        assert rescaled.tolist() == [True] * 5 + [False]
+        assert torch.equal(scales[:5], layout.scales(absmax[:5])) and scales[5] == 1.0
+    assert torch.isnan(Fp8Layout(ue8m0=True).scales(torch.tensor([float("nan")]))).all()
+
+
+def test_finite_masters_saturate_and_never_serve_nan():
+    """A quotient that overflows (a tiny scale) serves ±448; error feedback on masters near fp32 max keeps q and the
+    residual finite."""
+    q = cast_fp8_nearest(torch.tensor([1e10, -1.0]), torch.tensor([1e-30, 1e-45]))
+    assert q.float().tolist() == [448.0, -448.0]
+    q = cast_fp8_stochastic(torch.tensor([1e10]), torch.tensor([1e-30]), derive_key(0, 0, "w"), 0)
+    assert q.float().tolist() == [448.0]
+    residual = torch.tensor([1e38])
+    for _ in range(2):
+        q = cast_fp8_error_feedback(torch.tensor([3e38]), torch.tensor([3e38 / 448]), residual)
+        assert torch.isfinite(q.float()).all() and torch.isfinite(residual).all()
+
+
 def test_absmax_skips_non_finite_elements():
     y = torch.tensor([[1.0, float("nan"), -3.0], [float("inf"), -2.0, 0.5]])
     assert partial_absmax(y, Fp8Layout().scale_index((2, 3), 0, 6).reshape(2, 3), 2).tolist() == [3.0, 2.0]

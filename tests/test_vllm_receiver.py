@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,6 +143,19 @@ def test_experts_reload_exactly_and_are_sent_whole(arch_report, arch):
     fused = m["fused_delta"]
     assert fused["changed"] == fused["sent"] > 0 and fused["copy_as_sent"], fused
     assert fused["verified"] > 0 and fused["new"] < 0.25, fused
+    # fused names work in verify(); bad updates are refused, naming what was sent, with nothing written
+    assert m["verify_fused_name"] == 4 * 128 * 128
+    refused = m["refused"]
+    assert refused["unknown"].startswith("KeyError") and "serves no tensor named" in refused["unknown"], refused
+    assert refused["twice"].startswith("ValueError") and "an index given twice" in refused["twice"], refused
+    assert "'model.layers.0.mlp.experts.gate_up_proj' is torch.float32" in refused["fused_dtype"], refused
+    assert m["refused_nothing_written"]
+
+
+@pytest.mark.slow
+def test_experts_the_kernel_pads_are_refused_naming_the_layer(arch_report):
+    assert "the experts of model.layers.0.mlp.experts" in arch_report["padded_refused"], arch_report["padded_refused"]
+    assert "not supported" in arch_report["padded_refused"]
 
 
 @pytest.mark.slow
@@ -159,6 +173,17 @@ def test_an_fp8_engine_serves_exactly_the_fp8_bytes_and_scales_sent(arch_report)
     assert r["delta_changed"] > 0 and r["delta_copy_as_sent"] and r["delta_verified"] == r["full_verified"], r
     assert r["delta_new"] < 0.75, r
     assert "is torch.bfloat16; the engine serves it as torch.float8_e4m3fn" in r["bf16_into_fp8"], r
+    # FP8 weights and scales are compared bit for bit (no kernel read-back rule folds -0 into +0 or Inf into NaN)
+    assert r["stored"] == ["weight:torch.float8_e4m3fn", "weight_scale:torch.float32"], r
+
+
+def test_stored_tensors_are_hashed_bit_for_bit():
+    """The digest of what a kernel reads back folds -0/subnormals to +0 and non-finite rows to NaN; an FP8 scale
+    (``[N, 1]`` fp32, read as stored) must not be folded."""
+    from vllm_receiver.extension import digest
+    for a, b in (([[0.0]], [[-0.0]]), ([[1e-40]], [[0.0]]), ([[float("inf")]], [[float("nan")]])):
+        a, b = torch.tensor(a), torch.tensor(b)
+        assert digest(a) == digest(b) and digest(a, stored=True) != digest(b, stored=True)
 
 
 @pytest.mark.slow

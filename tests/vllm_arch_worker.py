@@ -49,7 +49,7 @@ PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(24)] for i in range(4)]
 def hf_model(arch: str, seed: int, extra: dict | None = None):
     import transformers
     config_cls, model_cls, overrides = ARCHS.get(arch, (arch.replace("ForCausalLM", "Config"), arch, {}))
-    config = getattr(transformers, config_cls)(**COMMON, **overrides, **(extra or {}))
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **(extra or {})})
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(config).float().eval()
 
@@ -175,6 +175,25 @@ def moe_run(arch: str, llm, receiver) -> dict:
                           "copy_as_sent": all(torch.equal(hf_state(model, receiver.weights)[n], state[n])
                                               for n, _, _ in deltas),
                           "new": gap(vllm_logprobs(llm), hf_logprobs(model, receiver.weights))}
+    # names as load() takes them work in verify(); bad updates are refused naming what was sent, nothing written
+    fused_name = "model.layers.0.mlp.experts.gate_up_proj"
+    rep["verify_fused_name"] = receiver.verify([fused_name])
+    before = {n: t.clone() for n, t in receiver.weights.items()}
+    refused = {}
+    for case, call in {
+        "unknown": lambda: receiver.verify(["model.layers.0.mlp.experts.nope"]),
+        "twice": lambda: receiver.apply([(fused_name, torch.tensor([10, 10], dtype=torch.int32),
+                                          torch.ones(2, dtype=torch.bfloat16))]),
+        "fused_dtype": lambda: receiver.load([(fused_name, state[fused_name].float())]),
+    }.items():
+        try:
+            call()
+            refused[case] = "no error"
+        except (KeyError, TypeError, ValueError) as err:
+            refused[case] = f"{type(err).__name__}: {err}"
+    rep["refused"] = refused
+    rep["refused_nothing_written"] = all(torch.equal(before[n], t) for n, t in receiver.weights.items()) and \
+        receiver.verify() > 0
     return rep
 
 
@@ -269,6 +288,7 @@ def fp8_run(tmp: str) -> dict:
         rep["delta_scales_changed"] = sum(1 for n, *_ in deltas if n.endswith("_scale"))
         rep["delta_copy_as_sent"] = all(same_bits(w[n], t) for n, t in step.items())
         rep["delta_verified"] = receiver.verify()
+        rep["stored"] = sorted({n.rpartition(".")[2] + ":" + str(w[n].dtype) for n in receiver.layout["stored"]})
         rep["delta_new"] = gap(vllm_logprobs(llm), hf_logprobs(model, dequantized(w)))
         name = "model.layers.0.mlp.down_proj.weight"
         try:
@@ -378,6 +398,16 @@ def main(out_json: str) -> None:
         print(arch, json.dumps(rep), flush=True)
     report["fp8"] = fp8_run(tmp)
     print("fp8", json.dumps(report["fp8"]), flush=True)
+    # experts whose kernel pads the intermediate size (48 -> 64) are refused, naming the layer
+    path = os.path.join(tmp, "moe-padded")
+    hf_model("Qwen3MoeForCausalLM", 0, dict(moe_intermediate_size=48)).to(torch.bfloat16).save_pretrained(path)
+    llm = start(path, WORKER_EXTENSION)
+    try:
+        VllmReceiver(llm)
+        report["padded_refused"] = "no error"
+    except ValueError as err:
+        report["padded_refused"] = str(err)
+    stop(llm)
     # an architecture outside the tested ones is refused by name, before any RPC
     path = os.path.join(tmp, "phi3")
     hf_model("Phi3ForCausalLM", 0, dict(pad_token_id=0)).to(torch.bfloat16).save_pretrained(path)

@@ -143,7 +143,14 @@ class VllmReceiver:
                              f"every push)")
         previous, self.llm = getattr(self, "llm", None), llm
         try:
-            layout = self._check(self._rpc("faircast_layout"))
+            try:
+                layout = self._check(self._rpc("faircast_layout"))
+            except ValueError:
+                raise
+            except Exception as err:  # noqa: BLE001  the worker refused the model (its message names why)
+                if "vllm_receiver:" not in str(err):
+                    raise
+                raise ValueError(f"VllmReceiver: the engine's model cannot be served: {err}") from err
             names = list(layout["shapes"])
             if layout["tied"]:  # a read of every tensor also returns the head
                 names.append(f"{layout['embedding']}.weight")
@@ -324,6 +331,8 @@ class VllmReceiver:
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= numel):
             raise ValueError(f"VllmReceiver.apply: {name!r}: index out of range [0, {numel}): "
                              f"[{int(index.min())}, {int(index.max())}]")
+        if torch.unique(index).numel() != index.numel():
+            raise ValueError(f"VllmReceiver.apply: {name!r}: an index given twice (which value lands is undefined)")
 
     def _split(self, weights):
         """``weights`` with each fused experts tensor (transformers 5's ``...mlp.experts.gate_up_proj``
@@ -336,6 +345,9 @@ class VllmReceiver:
             _check_tensor("VllmReceiver.load", name, "the tensor", t)
             if tuple(t.shape) != shape:
                 raise ValueError(f"VllmReceiver.load: {name!r} has shape {tuple(t.shape)}; the engine's is {shape}")
+            if t.dtype != self.weights[names[0]].dtype:
+                raise TypeError(f"VllmReceiver.load: {name!r} is {t.dtype}; the engine serves it as "
+                                f"{self.weights[names[0]].dtype}")
             yield from zip(names, t.reshape(-1, shape[-1]).split([self.weights[n].shape[0] for n in names]))
 
     def _split_deltas(self, deltas):
@@ -352,6 +364,18 @@ class VllmReceiver:
             for p in part.unique().tolist():
                 sel = part == p
                 yield names[p], (flat[sel] - (ends[p] - sizes[p])).to(index.dtype), values[sel]
+
+    def _names(self, names: Iterable[str]) -> list[str]:
+        """``names`` checked (:meth:`_check_name`), a fused experts name given as its per-expert tensors'."""
+        out = []
+        for name in names:
+            if name in self._fused:
+                out.extend(self._fused[name][0])
+            else:
+                if name != "lm_head.weight" or not self.layout["tied"]:  # a tied head: what the head computes with
+                    self._check_name(name)
+                out.append(name)
+        return out
 
     def _check_name(self, name: str) -> None:
         if name not in self.weights:
@@ -431,8 +455,8 @@ class VllmReceiver:
         """The engine's effective weights (read back through its kernels), ``{name: tensor of dtype}``; with a tied
         head also ``"lm_head.weight"`` (what the head computes with). Moves the tensors through the shared buffer:
         the constructor seeds the copy with it; :meth:`verify` moves only digests."""
-        specs = self._rpc("faircast_read", self.buffer.path, self.layout, None if names is None else sorted(names),
-                          False)
+        specs = self._rpc("faircast_read", self.buffer.path, self.layout,
+                          None if names is None else sorted(self._names(names)), False)
         return {s[0]: self.buffer.view(s).clone() for s in specs}
 
     def verify(self, names: Iterable[str] | None = None) -> int:
@@ -448,10 +472,13 @@ class VllmReceiver:
         Raises:
             WeightMismatch: naming every tensor whose bits differ.
         """
-        wanted = list(self.weights) if names is None else list(names)
-        expect = {n: digest(self.weights[n]) for n in wanted}
-        if self.layout["tied"] and f"{self.layout['embedding']}.weight" in expect:
-            expect["lm_head.weight"] = expect[f"{self.layout['embedding']}.weight"]
+        embedding = f"{self.layout['embedding']}.weight"
+        wanted = list(self.weights) if names is None else \
+            list(dict.fromkeys(embedding if n == "lm_head.weight" and self.layout["tied"] else n
+                               for n in self._names(names)))
+        expect = {n: digest(self.weights[n], n in self.layout["stored"]) for n in wanted}
+        if self.layout["tied"] and embedding in expect:
+            expect["lm_head.weight"] = expect[embedding]
         theirs = self._rpc("faircast_read", self.buffer.path, self.layout, sorted(expect), True)
         bad = sorted(n for n in expect if theirs.get(n) != expect[n])
         if bad:

@@ -186,6 +186,10 @@ def expert_parts(mod) -> dict[str, tuple[list[list], str | None]] | None:
     """
     if not is_experts(mod):
         return None
+    others = sorted({n for n, _ in mod.named_parameters(recurse=False)} - {"w13_weight", "w2_weight"})
+    if others:
+        raise ValueError(f"vllm_receiver: the experts of {mod.layer_name} hold {', '.join(others)} besides their "
+                         f"weights (quantized or biased experts): not supported")
     inter = mod.moe_config.intermediate_size_per_partition
     parts, fused = {"w13_weight": [], "w2_weight": []}, {"w13_weight": None, "w2_weight": None}
     for param_prefix, ckpt_prefix, expert, shard in sorted(mod.get_expert_mapping(), key=lambda m: (m[2], m[3])):

@@ -19,13 +19,14 @@ from vllm_receiver import compat
 from vllm_receiver.transport import SharedBuffer, Spec, dtype_name
 
 
-def digest(t: torch.Tensor) -> str:
+def digest(t: torch.Tensor, stored: bool = False) -> str:
     """BLAKE2b (16 bytes, hex) of ``t``'s bits. A 2-D tensor (what is read back through a kernel: a linear's
     weight, a tied head) is first made what any kernel read-back gives: its rows holding a NaN or Inf all NaN
     (0 * NaN, 0 * Inf are NaN in the identity product), and its zeros and subnormals +0 (the identity product
-    turns -0 into +0; the AVX512-BF16 kernels flush subnormals). So ±0 and subnormal weights compare as +0 there."""
+    turns -0 into +0; the AVX512-BF16 kernels flush subnormals). So ±0 and subnormal weights compare as +0 there.
+    ``stored``: ``t`` is read back as the engine stores it (FP8 weights and their scales): its bits as they are."""
     t = t.detach().contiguous().cpu()
-    if t.dim() == 2 and t.is_floating_point() and t.element_size() > 1:  # FP8 is read back as stored
+    if t.dim() == 2 and t.is_floating_point() and not stored:
         t = torch.where(t.abs() < torch.finfo(t.dtype).tiny, torch.zeros((), dtype=t.dtype), t)
         bad = ~torch.isfinite(t).all(1)
         if bad.any():
@@ -44,7 +45,9 @@ class FairCastWorkerExtension:
             ``modules``: ``{vLLM module: [[vLLM param name, [[checkpoint name, rows or None], ...]], ...]}`` (a fused
             layer's checkpoint tensors stacked by rows; an embedding's rows past the vocabulary are padding);
             ``shapes``: ``{checkpoint name: full shape}``; ``dtypes``: ``{checkpoint name: dtype name}`` (the
-            engine's, or FP8 and fp32 for an FP8 linear's weight and scales); ``fused``: ``{fused experts
+            engine's, or FP8 and fp32 for an FP8 linear's weight and scales); ``stored``: the checkpoint names read
+            back as stored, not through a kernel (FP8 weights, scales: :func:`digest` compares all their bits);
+            ``fused``: ``{fused experts
             checkpoint name: [vLLM param name, shape]}`` (one tensor for all experts' gate/up or down, as
             transformers 5 names them); ``tied``, ``vocab``, ``embedding`` (the tied head's embedding module);
             ``in_place``: every linear computes from its live param (sparse patches land); ``dtype`` (the
@@ -52,7 +55,7 @@ class FairCastWorkerExtension:
         """
         model = compat.model(self)
         packed = compat.packed_modules(model)
-        modules, shapes, dtypes, fused, vocab, embedding, in_place = {}, {}, {}, {}, None, None, True
+        modules, shapes, dtypes, fused, stored, vocab, embedding, in_place = {}, {}, {}, {}, [], None, None, True
         for name, param in model.named_parameters():
             mod_name, _, leaf = name.rpartition(".")
             mod = model.get_submodule(mod_name)
@@ -77,10 +80,12 @@ class FairCastWorkerExtension:
             for hf, rows in parts:
                 shapes[hf] = [rows, *full[1:]] if rows is not None else list(full)
                 dtypes[hf] = dtype_name(compat.checkpoint_dtype(leaf, param, compat.dtype(self)))
+                if compat.is_fp8(param) or leaf.endswith("_scale"):
+                    stored.append(hf)
             modules.setdefault(mod_name, []).append([name, parts])
         tp, pp = compat.parallel_sizes(self)
         tied = bool(getattr(compat.hf_config(self), "tie_word_embeddings", False))
-        return dict(modules=modules, shapes=shapes, dtypes=dtypes, fused=fused, tied=tied, vocab=vocab,
+        return dict(modules=modules, shapes=shapes, dtypes=dtypes, fused=fused, stored=stored, tied=tied, vocab=vocab,
                     embedding=embedding, in_place=in_place, dtype=dtype_name(compat.dtype(self)), tp=tp, pp=pp)
 
     def faircast_map(self, path: str, size: int, replaces: str | None) -> int:
@@ -101,7 +106,7 @@ class FairCastWorkerExtension:
         shared buffer ``buffer`` and returned as specs."""
         tensors = self._faircast_effective(layout, None if names is None else set(names))
         if digests:
-            return {name: digest(t) for name, t in tensors}
+            return {name: digest(t, name in layout["stored"]) for name, t in tensors}
         return self._faircast_buffer(buffer).pack(tensors)
 
     def _faircast_effective(self, layout: dict, wanted: set | None):
