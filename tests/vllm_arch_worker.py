@@ -398,26 +398,18 @@ def main(out_json: str) -> None:
         print(arch, json.dumps(rep), flush=True)
     report["fp8"] = fp8_run(tmp)
     print("fp8", json.dumps(report["fp8"]), flush=True)
-    # experts whose kernel pads the intermediate size (48 -> 64) are refused, naming the layer
-    path = os.path.join(tmp, "moe-padded")
-    hf_model("Qwen3MoeForCausalLM", 0, dict(moe_intermediate_size=48)).to(torch.bfloat16).save_pretrained(path)
-    llm = start(path, WORKER_EXTENSION)
-    try:
-        VllmReceiver(llm)
-        report["padded_refused"] = "no error"
-    except ValueError as err:
-        report["padded_refused"] = str(err)
-    stop(llm)
-    # an architecture outside the tested ones is refused by name, before any RPC
-    path = os.path.join(tmp, "phi3")
-    hf_model("Phi3ForCausalLM", 0, dict(pad_token_id=0)).to(torch.bfloat16).save_pretrained(path)
-    llm = start(path, WORKER_EXTENSION)
-    try:
-        VllmReceiver(llm)
-        report["untested_refused"] = "no error"
-    except ValueError as err:
-        report["untested_refused"] = str(err)
-    stop(llm)
+    for case, arch, extra in (
+            ("padded_refused", "Qwen3MoeForCausalLM", dict(moe_intermediate_size=48)),  # the kernel pads 48 to 64
+            ("untested_refused", "Phi3ForCausalLM", dict(pad_token_id=0))):  # by name, before any RPC
+        path = os.path.join(tmp, case)
+        hf_model(arch, 0, extra).to(torch.bfloat16).save_pretrained(path)
+        llm = start(path, WORKER_EXTENSION)
+        try:
+            VllmReceiver(llm)
+            report[case] = "no error"
+        except ValueError as err:
+            report[case] = str(err)
+        stop(llm)
     # every buffer is an anonymous memory file whose descriptor the trainer closed once the worker mapped it
     report["open_buffers"] = [fd for fd in os.listdir(f"/proc/{os.getpid()}/fd")
                               if "faircast-buffer" in os.path.realpath(f"/proc/{os.getpid()}/fd/{fd}")]
