@@ -295,8 +295,8 @@ class VllmReceiver:
 
         Raises:
             KeyError: an unknown name. TypeError: values not of the tensor's dtype, or an index not int32/int64.
-            ValueError: index and values of different lengths or not 1-D, an index out of range, a name given
-            twice. Nothing is written then.
+            ValueError: index and values of different lengths or not 1-D, an index out of range or given twice, a
+            name given twice. Nothing is written then.
             EngineUpdateError: the engine did not take the update (see its ``engine_state``).
         """
         staged, patches, payload, seen = {}, [], 0, set()
@@ -452,7 +452,8 @@ class VllmReceiver:
 
     # ------------------------------------------------------------------ checks
     def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """The engine's effective weights (read back through its kernels), ``{name: tensor of dtype}``; with a tied
+        """The engine's effective weights (read back through its kernels; FP8 weights and scales as stored),
+        ``{name: tensor}`` (names as :meth:`load` takes them, checked); with a tied
         head also ``"lm_head.weight"`` (what the head computes with). Moves the tensors through the shared buffer:
         the constructor seeds the copy with it; :meth:`verify` moves only digests."""
         specs = self._rpc("faircast_read", self.buffer.path, self.layout,
