@@ -226,9 +226,12 @@ def fp8_served(master: dict[str, torch.Tensor], previous: dict | None, key=None)
     return out
 
 
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-    return a.dtype == b.dtype and torch.equal(a.view(bits[a.element_size()]), b.view(bits[b.element_size()]))
+    return a.dtype == b.dtype and torch.equal(as_bits(a), as_bits(b))
 
 
 def dequantized(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -245,16 +248,16 @@ def fp8_run(tmp: str) -> dict:
     from faircast_dist.philox import derive_dither_key
     from vllm_receiver import VllmReceiver
     path = os.path.join(tmp, "fp8")
-    model = hf_model("LlamaForCausalLM", 0)
+    model = hf_model("LlamaForCausalLM", 0)  # the fp32 reference forward: holds whatever weights it is given
+    start_weights = fp8_served({n: t.clone() for n, t in model.state_dict().items()}, None)
     model.to(torch.bfloat16).save_pretrained(path)
-    start_weights = fp8_served({n: t.float() for n, t in hf_model("LlamaForCausalLM", 0).state_dict().items()}, None)
+    model.float()
     save_file({n: t.contiguous() for n, t in start_weights.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(dict(config, quantization_config=FP8_CONFIG), f)
-    model = hf_model("LlamaForCausalLM", 0)
     llm = start(path, "vllm_receiver.FairCastWorkerExtension")
     try:
         receiver = VllmReceiver(llm)
@@ -280,8 +283,7 @@ def fp8_run(tmp: str) -> dict:
         step = fp8_served(master, dict(w), key)
         deltas = []
         for n, t in step.items():
-            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
-            index = (t.view(bits) != w[n].view(bits)).reshape(-1).nonzero().flatten()
+            index = (as_bits(t) != as_bits(w[n])).reshape(-1).nonzero().flatten()
             if index.numel():
                 deltas.append((n, index.to(torch.int32), t.reshape(-1)[index]))
         rep["delta_changed"] = receiver.apply(deltas)

@@ -113,10 +113,16 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == torch.float8_e4m3fn
 
 
+def read_as_stored(leaf: str, param: torch.Tensor) -> bool:
+    """The param is read back as the engine stores it, in its own dtype, not through a kernel: an FP8 weight and
+    its fp32 scales."""
+    return is_fp8(param) or leaf.endswith("_scale")
+
+
 def checkpoint_dtype(leaf: str, param: torch.Tensor, engine: torch.dtype) -> torch.dtype:
-    """The dtype a param's checkpoint tensors have: an FP8 weight's and its fp32 scales' own, else the engine's
-    (a bf16 linear's bias may sit in fp32 for the CPU kernel; its checkpoint is bf16)."""
-    return param.dtype if is_fp8(param) or leaf.endswith("_scale") else engine
+    """The dtype a param's checkpoint tensors have: its own where it is read as stored (:func:`read_as_stored`),
+    else the engine's (a bf16 linear's bias may sit in fp32 for the CPU kernel; its checkpoint is bf16)."""
+    return param.dtype if read_as_stored(leaf, param) else engine
 
 
 def fp8_weight(mod) -> torch.Tensor:

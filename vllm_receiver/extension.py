@@ -47,9 +47,8 @@ class FairCastWorkerExtension:
             ``shapes``: ``{checkpoint name: full shape}``; ``dtypes``: ``{checkpoint name: dtype name}`` (the
             engine's, or FP8 and fp32 for an FP8 linear's weight and scales); ``stored``: the checkpoint names read
             back as stored, not through a kernel (FP8 weights, scales: :func:`digest` compares all their bits);
-            ``fused``: ``{fused experts
-            checkpoint name: [vLLM param name, shape]}`` (one tensor for all experts' gate/up or down, as
-            transformers 5 names them); ``tied``, ``vocab``, ``embedding`` (the tied head's embedding module);
+            ``fused``: ``{fused experts checkpoint name: [vLLM param name, shape]}`` (one tensor for all experts'
+            gate/up or down, as transformers 5 names them); ``tied``, ``vocab``, ``embedding`` (the tied head's embedding module);
             ``in_place``: every linear computes from its live param (sparse patches land); ``dtype`` (the
             engine's, name), ``tp``, ``pp``.
         """
@@ -80,7 +79,7 @@ class FairCastWorkerExtension:
             for hf, rows in parts:
                 shapes[hf] = [rows, *full[1:]] if rows is not None else list(full)
                 dtypes[hf] = dtype_name(compat.checkpoint_dtype(leaf, param, compat.dtype(self)))
-                if compat.is_fp8(param) or leaf.endswith("_scale"):
+                if compat.read_as_stored(leaf, param):
                     stored.append(hf)
             modules.setdefault(mod_name, []).append([name, parts])
         tp, pp = compat.parallel_sizes(self)
