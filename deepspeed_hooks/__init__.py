@@ -22,7 +22,7 @@ from deepspeed.utils.logging import print_dist
 
 from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.config import STATE_KEY, ConfigError
-from faircast_dist.export import ExportState
+from faircast_dist.export import ExportState, fp8_note
 from faircast_dist.wraps import Wraps
 
 
@@ -76,7 +76,7 @@ def install(engine, *, config=None) -> list[ExportState]:
     if not config.enabled:
         return []
     if engine.fp16_enabled() or not engine.bfloat16_enabled():
-        raise ValueError(f'DeepSpeed config: "{STATE_KEY}": mode "fair" needs "bf16": {{"enabled": true}} '
+        raise ValueError(f'DeepSpeed config: "{STATE_KEY}": mode "fair" (or format "fp8") needs "bf16": {{"enabled": true}} '
                          f'(fp16 enabled: {engine.fp16_enabled()}, bf16 enabled: {engine.bfloat16_enabled()})')
     from deepspeed_hooks import compat, stage0, stage3, zero12
     idle = compat.updates_nothing(engine)
@@ -98,6 +98,7 @@ def install(engine, *, config=None) -> list[ExportState]:
         wraps.wrap(optimizer, compat.ZERO3_REASSIGN, export.wrap_reassign)
         wraps.wrap(optimizer, "load_state_dict", export.wrap_load_restores_served)
     wraps.set(optimizer, STATE_KEY, export)
+    export.export_fp8()  # format "fp8": the initial model's FP8 copy (collective), served until the first step
     wraps.wrap(engine, "save_checkpoint", functools.partial(_save_commits_after_all_ranks, engine))
     wraps.wrap(engine, "load_checkpoint", functools.partial(_load_serves_what_was_served, engine))
     if engine.monitor.enabled:
@@ -105,7 +106,8 @@ def install(engine, *, config=None) -> list[ExportState]:
         export.state.telemetry = DriftMonitor(sum(compat.full_numel(p) for p in engine.param_names))
         wraps.wrap(engine, "step", functools.partial(_step_reports_drift, engine, export))
     print_dist(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) on "
-               f"{type(optimizer).__name__}, replacing its round-to-nearest fp32->bf16 copy", ranks=[0])
+               f"{type(optimizer).__name__}, replacing its round-to-nearest fp32->bf16 copy{fp8_note(export.state)}",
+               ranks=[0])
     return [export.state]
 
 

@@ -148,6 +148,11 @@ def full_numel(param) -> int:
     return param.ds_numel if is_zero3(param) else param.numel()
 
 
+def full_shape(param) -> tuple[int, ...]:
+    """Shape of the full (unpartitioned) ``param`` (ZeRO-3: ``ds_shape``)."""
+    return tuple(param.ds_shape if is_zero3(param) else param.shape)
+
+
 def zero3_local(param) -> tuple[torch.Tensor, int, torch.distributed.ProcessGroup]:
     """``(local, start, group)``: this rank's elements of the flattened ZeRO-3 ``param`` (a view
     of its ``ds_tensor`` without the padding), the index of the first, and the partition group."""

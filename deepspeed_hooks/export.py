@@ -14,6 +14,11 @@ State, kept in the base optimizer's ``state[group fp32 tensor]`` so DeepSpeed's 
 * ``"export_cast_served"`` — bfloat16 tensor shaped like the group, written at checkpoint time
   (and dropped at the next export): the bf16 values served at that step, so that paths that
   re-round bf16 from fp32 on load (ZeRO-3, universal checkpoints) restore exactly them.
+* ``format "fp8"``, written at checkpoint time (kept by the export between checkpoints, and dropped
+  from the state at the next export): ``"export_cast_fp8"`` — uint8 tensor shaped like the group: the
+  E4M3 bits served (FP8 params' elements); ``"export_cast_fp8_residual"`` — error feedback: the FP8
+  cast's float32 residual; ``"export_cast_fp8_scales"`` — ``{param name: float32 scales}`` of every FP8
+  param (the same in every group and on every rank).
 """
 from __future__ import annotations
 
@@ -39,7 +44,10 @@ SERVED_KEY = "export_cast_served"
 # the method that served them, for the load's messages: its position in ``list(Method)``, an int,
 # which torch's ``Optimizer.load_state_dict`` keeps (it would turn a str into a generator's repr)
 METHOD_KEY = "export_cast_method"
-STATE_KEYS = (STEP_KEY, RESIDUAL_KEY, SERVED_KEY, METHOD_KEY)
+FP8_KEY = "export_cast_fp8"
+FP8_RESIDUAL_KEY = "export_cast_fp8_residual"
+FP8_SCALES_KEY = "export_cast_fp8_scales"
+STATE_KEYS = (STEP_KEY, RESIDUAL_KEY, SERVED_KEY, METHOD_KEY, FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY)
 #: a universal checkpoint's Fair Cast metadata, ``zero/export_cast.pt`` (written by :mod:`deepspeed_hooks.checkpoint`)
 UNIVERSAL_STATE_FILE = "export_cast.pt"
 
@@ -109,7 +117,8 @@ class OptimizerExport:
 
     def __init__(self, optimizer, caster: FairCaster, param_names: dict):
         self.optimizer, self.param_names = optimizer, param_names
-        self.state = ExportState(caster, residuals=StateResiduals(optimizer.optimizer))
+        self.state = ExportState(caster, residuals=StateResiduals(optimizer.optimizer),
+                                 shapes={name: compat.full_shape(p) for p, name in param_names.items()})
         self.in_step = False
         self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish() (empty: no export)
 
@@ -221,11 +230,52 @@ class OptimizerExport:
                              for key, start, master, served, rows in self.buffers(None, hp, fragments, out)])
         self._cast_now.add(id(hp))
 
+    @torch.no_grad()
+    def fp8_shards(self) -> list[Shard]:
+        """``format "fp8"``: this rank's shards with their FP8 buffers: views of one buffer per group, shaped like
+        its fp32 tensor, in :attr:`ExportState.fp8_outs` / ``fp8_residuals`` keyed by group position (not in the
+        optimizer state, which the base optimizer's first step must find empty; :meth:`snapshot_served` puts
+        them there for a checkpoint)."""
+        shards, ef = [], self.caster.method.needs_residual
+        for i, (hp, fragments) in enumerate(self.groups()):
+            bits = self.state.fp8_outs.get(i)
+            if bits is None:
+                bits = self.state.fp8_outs[i] = torch.zeros(hp.numel(), dtype=torch.uint8, device=hp.device)
+            res = self.state.fp8_residuals.get(i) if ef else None
+            if ef and res is None:
+                res = self.state.fp8_residuals[i] = torch.zeros(hp.numel(), dtype=torch.float32, device=hp.device)
+            shards += [Shard(key, master, served, rows, fp8=bits.narrow(0, start, master.numel()),
+                             fp8_residual=None if res is None else res.narrow(0, start, master.numel()))
+                       for key, start, master, served, rows in self.buffers(i, hp, fragments)]
+        return shards
+
+    def reduce_max(self, t: torch.Tensor) -> None:
+        """MAX all-reduce of ``t`` in place over group 0's DP group, on the communication device (nothing where
+        every rank holds the whole model: stage 0)."""
+        if self.replicated:
+            return
+        from deepspeed.accelerator import get_accelerator
+        on = t.to(get_accelerator().current_device_name())
+        dist.all_reduce(on, op=dist.ReduceOp.MAX, group=self.dp_group(0))
+        t.copy_(on)
+
+    def export_fp8(self, step: int | None = None) -> None:
+        """``format "fp8"``: cast the FP8 served copy (collective) and keep the scales in every group's state."""
+        if self.state.fp8 is None:
+            return
+        with self.telemetry.span(self.groups()[0][0].device if self.groups() else "cpu"):
+            self.state.export_fp8(self.fp8_shards(), self.reduce_max, step)
+        for hp, _ in self.groups():  # a checkpoint's copy, if any, is stale now
+            for key in (FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY):
+                self.optimizer.optimizer.state.get(hp, {}).pop(key, None)
+
     def finish(self) -> None:
-        """After a step's exports: advance the step and record it in every group's state."""
+        """After a step's exports: the FP8 served copy (``format "fp8"``), advance the step and record it in
+        every group's state."""
         if not self._cast_now:
             return
         self._cast_now.clear()
+        self.export_fp8()
         self.caster.advance()
         for hp, _ in self.groups():
             self.group_state(hp)[STEP_KEY] = self.caster.step
@@ -249,6 +299,13 @@ class OptimizerExport:
             state[SERVED_KEY] = served
             state[STEP_KEY] = self.caster.step
             state[METHOD_KEY] = list(Method).index(self.caster.method)
+        if self.state.fp8 is not None:
+            self.fp8_shards()  # buffers exist
+            for i, (hp, _) in enumerate(self.groups()):
+                state = self.group_state(hp)
+                state[FP8_KEY], state[FP8_SCALES_KEY] = self.state.fp8_outs[i], dict(self.state.fp8.scales)
+                if self.caster.method.needs_residual:
+                    state[FP8_RESIDUAL_KEY] = self.state.fp8_residuals[i]
 
     @torch.no_grad()
     def restore_served(self) -> bool:
@@ -317,6 +374,48 @@ class OptimizerExport:
                 state[RESIDUAL_KEY] = state[RESIDUAL_KEY].to(dtype).view(hp.shape)  # state to the param dtype: undo it
             elif action == "drop":
                 state.pop(RESIDUAL_KEY, None)
+        self._adopt_fp8(groups)
+
+    def _adopt_fp8(self, groups) -> None:
+        """``format "fp8"``: take the loaded FP8 state (bits, scales; error feedback: residuals), or, in a
+        checkpoint without it, set the scales afresh and cast the FP8 copy of the loaded masters now (the last
+        export's step; a warning says so). Other formats: drop FP8 state entries.
+
+        Raises:
+            ValueError: FP8 bits or residuals saved under another layout (the params of the group named).
+        """
+        ef = self.caster.method.needs_residual
+        keys = (FP8_KEY, FP8_RESIDUAL_KEY) if ef else (FP8_KEY,)
+        for hp, fragments in groups:
+            state = self.group_state(hp)
+            if self.state.fp8 is None or not ef:
+                for key in ((FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY) if self.state.fp8 is None else (FP8_RESIDUAL_KEY,)):
+                    state.pop(key, None)
+            for key in keys:
+                if state.get(key) is not None and state[key].numel() != hp.numel():
+                    names = sorted({f.name for f in fragments})
+                    raise ValueError(f"export cast: saved {key} has {state[key].numel()} elements but the partition "
+                                     f"holding {names} has {hp.numel()} (saved under another layout?)")
+        if self.state.fp8 is None:
+            return
+        saved = [self.group_state(hp) for hp, _ in groups]
+        scales = next((st[FP8_SCALES_KEY] for st in saved if st.get(FP8_SCALES_KEY) is not None), None)
+        if scales is not None and all(st.get(k) is not None for st in saved for k in keys):
+            self.state.fp8.load_scales(scales)
+            for i, st in enumerate(saved):
+                self.state.fp8_outs[i] = st.pop(FP8_KEY).to(torch.uint8).reshape(-1)
+                if ef:
+                    self.state.fp8_residuals[i] = st.pop(FP8_RESIDUAL_KEY).float().reshape(-1)
+                st.pop(FP8_SCALES_KEY, None)
+            return
+        warn("the checkpoint has no FP8 export state: FP8 scales are set afresh and the FP8 served copy cast "
+             "from the loaded masters" + (", FP8 residuals start at zero" if ef else ""))
+        for st in saved:
+            for key in (FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY):
+                st.pop(key, None)
+        self.state.fp8.scales = {}
+        self.state.fp8_outs.clear(), self.state.fp8_residuals.clear()
+        self.export_fp8(step=max(self.caster.step - 1, 0))
 
     def _load_universal(self, folder: str) -> None:
         if not os.path.exists(os.path.join(folder, "zero", UNIVERSAL_STATE_FILE)):
@@ -326,8 +425,8 @@ class OptimizerExport:
         for hp, _ in self.groups():
             state = self.group_state(hp)
             state[STEP_KEY] = meta["step"]
-            for key in (RESIDUAL_KEY, SERVED_KEY):
-                state.pop(key, None)  # DeepSpeed's own loader may have put an fp32 copy there
+            for key in (RESIDUAL_KEY, SERVED_KEY, FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY):
+                state.pop(key, None)  # DeepSpeed's own loader may have put an fp32 copy there (FP8: not converted)
         if RESIDUAL_KEY in values:
             load_full(self, values[RESIDUAL_KEY], RESIDUAL_KEY)
         if SERVED_KEY in values:

@@ -19,6 +19,7 @@ import torch
 
 from deepspeed_hooks import compat
 from deepspeed_hooks.checkpoint import read_served
+from faircast_dist.config import STATE_KEY
 from faircast_dist.delta import DeltaTracker, index_dtype
 
 
@@ -30,10 +31,23 @@ def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, t
     own (already full) bf16 params without copying — copy them if you keep them past a step.
     Collective under ZeRO-3: every rank must run the generator to the end.
 
+    With ``format "fp8"`` each FP8 param is yielded instead as ``(name, float8_e4m3fn [N, K])`` followed by
+    ``(scale name, float32 scales)`` (:meth:`faircast_dist.fp8.Fp8Export.served`): the FP8 params are gathered
+    first, in one uint8 all-reduce over the DP group (1 byte per FP8 element of the model; collective).
+
     Args:
         engine: an initialized DeepSpeed engine.
         bucket_bytes: ZeRO-3 gather bucket size in bytes (default 256 MiB).
     """
+    export = getattr(engine.optimizer, STATE_KEY, None)
+    if export is not None and export.state.fp8 is not None:
+        full = export.state.full_fp8(export.fp8_shards(), export.reduce_max)
+        yield from export.state.fp8.served(_served_bf16(engine, bucket_bytes), full)
+        return
+    yield from _served_bf16(engine, bucket_bytes)
+
+
+def _served_bf16(engine, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     import deepspeed
     params = list(engine.module.named_parameters())
     if not any(compat.is_zero3(p) for _, p in params):
@@ -75,12 +89,19 @@ def served_deltas(engine, tracker: DeltaTracker,
     Every rank yields the same deltas. Collective under ZeRO-3: every rank must run the generator
     to the end.
 
+    With ``format "fp8"``, the deltas of :func:`served_weights`' tensors (FP8 weights, their scales, the bf16
+    params), each rank diffing the full tensors.
+
     Args:
         engine: an initialized DeepSpeed engine (with or without Fair Cast).
         tracker: a :class:`faircast_dist.delta.DeltaTracker` used only with this engine.
         bucket_bytes: ZeRO-3 bucket size in bytes (default 256 MiB).
     """
     params = list(engine.module.named_parameters())
+    export = getattr(engine.optimizer, STATE_KEY, None)
+    if export is not None and export.state.fp8 is not None:
+        yield from tracker.deltas(served_weights(engine, bucket_bytes))
+        return
     if not any(compat.is_zero3(p) for _, p in params):
         yield from tracker.deltas((name, p.detach()) for name, p in params)
         return

@@ -1,8 +1,9 @@
 """The one export-cast configuration that both integrations parse into.
 
 DeepSpeed:  ``"export_cast": {"mode": "fair", "method": "stochastic", "seed": 1234}``
-            (shorthand ``"export_cast": "fair"``).
-Megatron:   ``--export-cast fair --export-cast-method stochastic --export-cast-seed 1234``.
+            (shorthand ``"export_cast": "fair"``); FP8 served weights: ``"format": "fp8"``.
+Megatron:   ``--export-cast fair --export-cast-method stochastic --export-cast-seed 1234``
+            (``--export-cast-format fp8``).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import enum
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -43,11 +45,17 @@ STATE_KEY = "export_cast"  # the config section, and the checkpoint / state entr
 MODES = ("nearest", "fair")
 METHODS = tuple(m.value for m in Method if m is not Method.NEAREST)  # the methods of mode "fair"
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FORMATS = ("bf16", "fp8")
+FP8_SCALES = ("channel", "block")
+#: the params kept bf16 under ``format: "fp8"`` (a regex searched in the param name), as the RL stacks do: embeddings,
+#: the LM head, norms and MoE routers (HF ``mlp.gate``, Megatron ``router``); biases and other 1-D/3-D params are not
+#: 2-D linear weights and stay bf16 anyway
+FP8_EXCLUDE = r"embed|lm_head|output_layer|norm|router|(^|\.)gate\.weight$|shared_expert_gate"
 
 
 class ConfigError(ValueError):
     """A bad export-cast setting. ``field``: the setting it names (``"mode"``, ``"method"``,
-    ``"seed"``, ``"residual_dtype"``), or None (an unknown key, the section itself)."""
+    ``"seed"``, ``"residual_dtype"``, ``"format"``, ``"fp8_..."``), or None (an unknown key, the section itself)."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
@@ -70,6 +78,18 @@ class ExportCastConfig:
         seed: seeds the Philox key of stochastic and dithered rounding (int, fits int64).
         residual_dtype: ``"float32"`` (default, exact) or ``"bfloat16"`` (half the memory,
             the residual itself is then rounded) for error feedback.
+        format: the served weights: ``"bf16"`` (default: the model's bf16 params) or ``"fp8"``: the 2-D
+            linear weights not matched by ``fp8_exclude`` are also served as FP8 E4M3 with fp32 scales,
+            cast from the fp32 masters by the method (``mode "nearest"``: round-to-nearest, what RL stacks
+            do), with their own state (sticky scales; error feedback: an fp32 residual). The model's bf16
+            params (what training computes with) are cast as with ``"bf16"``. See :mod:`faircast_dist.fp8`.
+        fp8_scales: ``"channel"`` (default; one scale per output row, ``weight_scale [N, 1]``) or
+            ``"block"`` (128x128, ``weight_scale_inv``).
+        fp8_ue8m0: scales are powers of two.
+        fp8_via_bf16: round the master to bf16 before the FP8 rounding (the stacks' double rounding;
+            round-to-nearest only: for comparison).
+        fp8_exclude: regex; params whose name it matches stay bf16 (default :data:`FP8_EXCLUDE`;
+            ``""`` serves every 2-D ``*weight`` as FP8).
 
     Raises:
         ConfigError: (a ``ValueError``) naming the field and the bad value; ``.field`` is the field.
@@ -79,6 +99,11 @@ class ExportCastConfig:
     method: Method = Method.STOCHASTIC
     seed: int = 1234
     residual_dtype: str = "float32"
+    format: str = "bf16"
+    fp8_scales: str = "channel"
+    fp8_ue8m0: bool = False
+    fp8_via_bf16: bool = False
+    fp8_exclude: str = FP8_EXCLUDE
 
     def __post_init__(self):
         if isinstance(self.method, str):
@@ -93,16 +118,43 @@ class ExportCastConfig:
         if not isinstance(self.residual_dtype, str) or self.residual_dtype not in RESIDUAL_DTYPES:
             raise ConfigError(f"export_cast.residual_dtype must be one of {tuple(RESIDUAL_DTYPES)}, "
                               f"got {self.residual_dtype!r}", "residual_dtype")
+        if not isinstance(self.format, str) or self.format not in FORMATS:
+            raise ConfigError(f"export_cast.format must be one of {FORMATS}, got {self.format!r}", "format")
+        if not isinstance(self.fp8_scales, str) or self.fp8_scales not in FP8_SCALES:
+            raise ConfigError(f"export_cast.fp8_scales must be one of {FP8_SCALES}, got {self.fp8_scales!r}",
+                              "fp8_scales")
+        for field in ("fp8_ue8m0", "fp8_via_bf16"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(f"export_cast.{field} must be true or false, got {getattr(self, field)!r}", field)
+        try:
+            re.compile(self.fp8_exclude)
+        except (re.error, TypeError) as err:
+            raise ConfigError(f"export_cast.fp8_exclude must be a regular expression, got {self.fp8_exclude!r}: "
+                              f"{err}", "fp8_exclude") from None
+        if self.format != "fp8":
+            default = ExportCastConfig.__dataclass_fields__
+            for field in ("fp8_scales", "fp8_ue8m0", "fp8_via_bf16", "fp8_exclude"):
+                if getattr(self, field) != default[field].default:
+                    raise ConfigError(f"export_cast.{field} is set but format is {self.format!r}: give "
+                                      f"format \"fp8\" to serve FP8 weights", field)
+        if self.fp8_via_bf16 and self.mode == "fair":
+            raise ConfigError("export_cast.fp8_via_bf16 (the stacks' double rounding) is for round-to-nearest "
+                              "(mode \"nearest\") only", "fp8_via_bf16")
 
     @property
     def enabled(self) -> bool:
-        """True when the cast is not plain round-to-nearest."""
-        return self.mode == "fair"
+        """True when an adapter installs: the cast is not plain round-to-nearest, or FP8 weights are served."""
+        return self.mode == "fair" or self.fp8
+
+    @property
+    def fp8(self) -> bool:
+        """FP8 weights are served (``format: "fp8"``)."""
+        return self.format == "fp8"
 
     @property
     def effective_method(self) -> Method:
         """What the cast really does: :attr:`Method.NEAREST` unless the mode is ``"fair"``."""
-        return self.method if self.enabled else Method.NEAREST
+        return self.method if self.mode == "fair" else Method.NEAREST
 
     @classmethod
     def from_value(cls, value: Any) -> "ExportCastConfig":
@@ -132,7 +184,7 @@ class ExportCastConfig:
         return cls(**value)
 
     def to_dict(self) -> dict:
-        """The fields as plain values (``{"mode": str, "method": str, "seed": int, "residual_dtype": str}``)."""
+        """The fields as plain values (``{"mode": str, "method": str, "seed": int, "residual_dtype": str, ...}``)."""
         return {**dataclasses.asdict(self), "method": self.method.value}
 
 

@@ -12,9 +12,10 @@ A delta is ``(name, index, values)``:
 * ``index`` — int32 (int64 for a param of 2**31 elements or more; see :func:`index_dtype`)
   tensor ``[k]``, ascending flat indices into the *full* param (row-major, as
   ``param.reshape(-1)``): global, so a receiver with another layout applies it unchanged;
-* ``values`` — bfloat16 tensor ``[k]``, the new served values.
+* ``values`` — bfloat16 tensor ``[k]``, the new served values (FP8 served weights, ``format "fp8"``: float8_e4m3fn
+  for an FP8 weight, float32 for its scales; a rescaled channel or block is sent whole).
 
-"Changed" compares bits (int16 views), so a sign flip of zero or a new NaN payload is sent too.
+"Changed" compares bits (integer views), so a sign flip of zero or a new NaN payload is sent too.
 
 Where the previous model is remembered: a :class:`DeltaTracker`, created and kept by the caller,
 holds a bf16 copy of what it has seen (2 bytes per tracked element: on a DP rank, what that
@@ -27,6 +28,10 @@ from collections.abc import Iterable, Iterator
 import torch
 
 
+#: the served dtypes a delta carries, and the integer view their bits are compared in
+_BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float32: torch.int32}
+
+
 def index_dtype(numel: int) -> torch.dtype:
     """int32 when every flat index of a param of ``numel`` elements fits in it, else int64."""
     return torch.int32 if numel <= 2**31 else torch.int64
@@ -37,27 +42,30 @@ def diff(before: torch.Tensor, after: torch.Tensor, start: int = 0,
     """The elements of ``after`` whose bits differ from ``before``.
 
     Args:
-        before, after: bfloat16 tensors of one shape (a whole param, or a contiguous shard of
-            its flattened form; read as ``reshape(-1)``).
+        before, after: bfloat16 (or float8_e4m3fn, float32: FP8 weights and their scales) tensors of one
+            shape and dtype (a whole param, or a contiguous shard of its flattened form; read as ``reshape(-1)``).
         start: global flat index of the shard's first element in the full param (0: whole param).
         full_numel: the full param's numel, which picks the index dtype (default: ``start +
             after.numel()``).
 
     Returns:
         ``(index, values)``: ascending global flat indices ``[k]`` (:func:`index_dtype`) and the
-        new bfloat16 values ``[k]``.
+        new values ``[k]`` (``after``'s dtype).
 
     Raises:
-        TypeError: a tensor that is not bfloat16.
+        TypeError: a tensor that is not bfloat16, float8_e4m3fn or float32, or dtypes that differ.
         ValueError: shapes differ.
     """
     for what, t in (("before", before), ("after", after)):
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"diff: {what} must be bfloat16, got {t.dtype}")
+        if t.dtype not in _BITS:
+            raise TypeError(f"diff: {what} must be bfloat16 (float8_e4m3fn, float32: FP8 weights, scales), got {t.dtype}")
+    if before.dtype != after.dtype:
+        raise TypeError(f"diff: before is {before.dtype}, after {after.dtype}")
     if before.shape != after.shape:
         raise ValueError(f"diff: before shape {tuple(before.shape)} != after shape {tuple(after.shape)}")
     new = after.reshape(-1)
-    local = (before.reshape(-1).view(torch.int16) != new.view(torch.int16)).nonzero().squeeze(1)
+    ints = _BITS[new.dtype]
+    local = (before.reshape(-1).view(ints) != new.view(ints)).nonzero().squeeze(1)
     dtype = index_dtype(full_numel if full_numel is not None else start + new.numel())
     return (local + start).to(dtype), new[local]
 
@@ -107,9 +115,10 @@ def apply_deltas(target, deltas: Iterable[tuple[str, torch.Tensor, torch.Tensor]
 
 
 class DeltaTracker:
-    """The previously served bf16 values, per name, that :meth:`diff` compares against.
+    """The previously served values (bf16; FP8 weights and their scales), per name, that :meth:`diff` compares
+    against.
 
-    Memory: one bfloat16 copy of every tracked tensor (2 bytes per element), kept until
+    Memory: one copy of every tracked tensor (2 bytes per bf16 element, 1 per FP8 one), kept until
     :meth:`clear`. A name seen for the first time has no baseline: all its elements count as
     changed (the first delta is a full sync, correct on any receiver).
     """
@@ -123,14 +132,14 @@ class DeltaTracker:
 
         Args:
             name: the key (a param name, or a name plus shard for a rank's piece).
-            served: bfloat16 tensor; copied into the baseline.
+            served: bfloat16 (float8_e4m3fn, float32) tensor; copied into the baseline.
             start, full_numel: as for :func:`diff`.
 
         Returns:
             ``(index, values)`` as :func:`diff`.
 
         Raises:
-            TypeError / ValueError: as :func:`diff`, also when ``served`` changes shape.
+            TypeError / ValueError: as :func:`diff`, also when ``served`` changes shape or dtype.
         """
         old = self.baseline.get(name)
         if old is None:

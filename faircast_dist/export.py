@@ -22,6 +22,7 @@ import torch
 
 from faircast_dist.caster import FairCaster, adopt_residuals
 from faircast_dist.config import ExportCastConfig, Method
+from faircast_dist.fp8 import Fp8Export
 from faircast_dist.telemetry import ExportObserver
 
 #: Fair Cast's one warning channel, in every adapter: WARNING, which a default launch shows (Python's
@@ -32,6 +33,16 @@ logger = logging.getLogger("faircast")
 def warn(message: str) -> None:
     """Log ``message`` on Fair Cast's warning channel (:data:`logger`), prefixed ``"Fair Cast: "``."""
     logger.warning("Fair Cast: %s", message)
+
+
+def fp8_note(state: "ExportState") -> str:
+    """What an adapter's install line adds for FP8 served weights (``""`` without): the params, scales and method."""
+    fp8 = state.fp8
+    if fp8 is None:
+        return ""
+    rounding = "round-to-nearest via bf16" if state.config.fp8_via_bf16 else str(state.method)
+    return (f"; FP8 E4M3 served weights for {len(fp8.shapes)} params ({fp8.layout.granularity} scales"
+            f"{', UE8M0' if fp8.layout.ue8m0 else ''}, {rounding})")
 
 
 @dataclasses.dataclass
@@ -49,6 +60,11 @@ class Shard:
         residual: error feedback, where the adapter keeps the shard's residual inside a larger one
             (DeepSpeed stage 0: a view of its group's): that view (1-D, like ``master``); None: the
             state's own residual of ``key``.
+        fp8: ``format "fp8"``: where the adapter keeps the shard's FP8 served bits, a uint8 1-D view
+            indexed like ``master`` (E4M3 bit patterns; only FP8 params' runs are written); None: the
+            state's own (:attr:`ExportState.fp8_outs`).
+        fp8_residual: ``format "fp8"`` with error feedback: the FP8 cast's float32 residual, 1-D like
+            ``master`` (master units; separate from the bf16 one); None: the state's own.
     """
 
     key: Hashable
@@ -57,6 +73,8 @@ class Shard:
     runs: Sequence[tuple[str, int, int, int]]
     counted: bool = True
     residual: torch.Tensor | None = None
+    fp8: torch.Tensor | None = None
+    fp8_residual: torch.Tensor | None = None
 
 
 class ExportState:
@@ -72,6 +90,8 @@ class ExportState:
         replays: the framework writes the served tensors again outside a step (Megatron copies the
             masters into its bf16 params on a load or a rebuild): error feedback keeps what each export
             served for :meth:`replay`. False where the served buffers are the adapter's own (FSDP2).
+        shapes: ``format "fp8"`` (required then): ``{param name: full shape}`` of every param of the model,
+            the same on every rank (:class:`~faircast_dist.fp8.Fp8Export` picks the FP8 ones).
 
     Attributes:
         caster: the :class:`~faircast_dist.FairCaster`: config, method and export step.
@@ -82,14 +102,26 @@ class ExportState:
             residual it rounded); 2 bytes per master element, not checkpointed. Empty otherwise.
         telemetry: the :class:`~faircast_dist.telemetry.ExportObserver` every export calls (the
             default measures nothing; an adapter with telemetry on puts a ``DriftObserver`` here).
+        fp8: ``format "fp8"``: the :class:`~faircast_dist.fp8.Fp8Export` (FP8 params, sticky scales); else None.
+        fp8_outs, fp8_residuals: ``format "fp8"``: ``{shard key: uint8 FP8 bits}`` and (error feedback)
+            ``{shard key: float32 residual}``, 1-D like the shard's master, for shards that bring none of their own.
+
+    Raises:
+        ValueError: ``format "fp8"`` without ``shapes``.
     """
 
-    def __init__(self, config=None, residuals: MutableMapping | None = None, replays: bool = True):
+    def __init__(self, config=None, residuals: MutableMapping | None = None, replays: bool = True,
+                 shapes: dict | None = None):
         self.caster = config if isinstance(config, FairCaster) else FairCaster(config)
         self.replays = replays
         self.residuals: MutableMapping[Hashable, torch.Tensor] = {} if residuals is None else residuals
         self.served: dict[Hashable, torch.Tensor] = {}
         self.telemetry: ExportObserver = ExportObserver()
+        if self.config.fp8 and shapes is None:
+            raise ValueError("ExportState: format \"fp8\" needs the params' full shapes (shapes=)")
+        self.fp8 = Fp8Export(self.caster, shapes) if self.config.fp8 else None
+        self.fp8_outs: dict[Hashable, torch.Tensor] = {}
+        self.fp8_residuals: dict[Hashable, torch.Tensor] = {}
 
     @property
     def config(self) -> ExportCastConfig:
@@ -132,21 +164,55 @@ class ExportState:
         self.caster.cast_tensors([s.master for s in shards], [s.out for s in shards], fragments, residuals,
                                  step=step)
 
+    def fp8_shards(self, shards: Sequence[Shard]) -> list[Shard]:
+        """``shards`` with their FP8 buffers: the state's own (zeros at first use, keyed by shard) where a
+        shard brings none."""
+        def own(store, key, master, dtype):
+            t = store.get(key)
+            if t is None:
+                t = store[key] = torch.zeros(master.numel(), dtype=dtype, device=master.device)
+            return t
+        ef = self.method.needs_residual
+        return [dataclasses.replace(
+            s, fp8=s.fp8 if s.fp8 is not None else own(self.fp8_outs, s.key, s.master, torch.uint8),
+            fp8_residual=s.fp8_residual if s.fp8_residual is not None or not ef
+            else own(self.fp8_residuals, s.key, s.master, torch.float32)) for s in shards]
+
+    def export_fp8(self, shards: Sequence[Shard], reduce_max, step: int | None = None) -> None:
+        """``format "fp8"``: cast the FP8 params' elements of ``shards`` into their FP8 bits at export ``step``
+        (default: the current one) with the sticky scales (:meth:`faircast_dist.fp8.Fp8Export.export`;
+        ``reduce_max``: the MAX all-reduce over the ranks sharing the model, every rank calls this). Reports the
+        rescales to the telemetry. Nothing without FP8."""
+        if self.fp8 is None:
+            return
+        self.fp8.export(self.fp8_shards(shards), reduce_max, step)
+        self.telemetry.fp8(self.fp8.last_rescales)
+
+    def full_fp8(self, shards: Sequence[Shard], reduce_max) -> dict[str, torch.Tensor]:
+        """``format "fp8"``: ``{name: float8_e4m3fn full tensor}`` of the FP8 params, what the last export cast
+        (:meth:`faircast_dist.fp8.Fp8Export.full`; collective through ``reduce_max``, uint8)."""
+        return self.fp8.full(self.fp8_shards(shards), reduce_max)
+
     def pieces(self, shards: Sequence[Shard]) -> list[tuple]:
         """What the telemetry measures of ``shards`` (:meth:`DriftSample.observe`'s pieces)."""
         return [(s.key, s.master, s.out, s.runs) for s in shards if s.counted]
 
-    def export(self, shards: Sequence[Shard], advance: bool = True) -> None:
-        """One export of the rank's masters: cast every shard (telemetry around it), advance the
-        export step, and (error feedback) keep what is served for :meth:`replay`.
+    def export(self, shards: Sequence[Shard], advance: bool = True, reduce_max=None) -> None:
+        """One export of the rank's masters: cast every shard (telemetry around it), the FP8 served copy
+        too (:meth:`export_fp8`), advance the export step, and (error feedback) keep what is served for
+        :meth:`replay`.
 
         ``advance``: False where the adapter counts the export step itself (FSDP2 advances it at each
-        optimizer step and casts lazily, at the first all-gather after it)."""
+        optimizer step and casts lazily, at the first all-gather after it). ``reduce_max``: as for
+        :meth:`export_fp8` (FP8 only)."""
         pieces = lambda: self.pieces(shards)  # noqa: E731  (called only by an observer that measures)
         self.telemetry.begin(pieces)
         if shards:
             with self.telemetry.span(shards[0].master.device):
                 self.cast(shards)
+        if self.fp8 is not None:
+            with self.telemetry.span(shards[0].master.device if shards else "cpu"):
+                self.export_fp8(shards, reduce_max)
         if advance:
             self.caster.advance()
         self.telemetry.end(pieces)
@@ -189,8 +255,8 @@ class ExportState:
     # -- checkpoints ------------------------------------------------------------------------------------
     def restart(self, shards: Sequence[Shard]) -> None:
         """The masters were replaced and match what is served (a model-only load, a weight reload):
-        zero the residuals and keep what is served."""
-        for residual in self.residuals.values():
+        zero the residuals (FP8 ones too) and keep what is served."""
+        for residual in [*self.residuals.values(), *self.fp8_residuals.values()]:
             residual.zero_()
         self.keep_served(shards)
 

@@ -23,11 +23,15 @@ reduction over the ranks completes it, and the bytes and scales equal a single-p
 """
 from __future__ import annotations
 
+import itertools
+import math
+import re
 from dataclasses import dataclass
 
 import torch
 
-from faircast_dist.rounding import E4M3_MAX
+from faircast_dist.rounding import (E4M3_MAX, cast_fp8_error_feedback, cast_fp8_nearest,
+                                    cast_fp8_stochastic)
 
 BLOCK = 128
 _MIN_SCALE = 2.0 ** -126  # the smallest normal fp32: an all-zero channel's scale (kernels may flush subnormals)
@@ -143,3 +147,162 @@ def element_scales(scales: torch.Tensor, scale_index: torch.Tensor) -> torch.Ten
     """Each element's scale (float32, shaped like ``scale_index``): what the FP8 casts of :mod:`.rounding`
     take."""
     return scales.reshape(-1)[scale_index]
+
+
+def fp8_param(config, name: str, shape) -> bool:
+    """A param served as FP8 under ``config`` (an :class:`~faircast_dist.ExportCastConfig` with ``format "fp8"``):
+    a 2-D ``*weight`` whose name ``config.fp8_exclude`` does not match (the 2-D linear weights of attention and MLP;
+    embeddings, the LM head, norms and routers stay bf16 by default)."""
+    return (config.fp8 and len(shape) == 2 and name.endswith("weight")
+            and not (config.fp8_exclude and re.search(config.fp8_exclude, name)))
+
+
+class Fp8Export:
+    """One rank's FP8 served weights: the sticky scales, the cast of each shard's FP8 runs at an export, and the
+    gather of whole FP8 tensors to serve. Used by :class:`faircast_dist.export.ExportState` (``format "fp8"``).
+
+    The FP8 copy is separate from the model's bf16 params: it is cast from the fp32 masters with its own state
+    (the scales; error feedback: an fp32 residual per element in the master's units), so training computes with
+    bf16 as before and only the served copy is FP8.
+
+    Args:
+        caster: the :class:`~faircast_dist.FairCaster` (config with ``format "fp8"``; method, seed, keys).
+        shapes: ``{param name: full shape}`` of every param of the model, the same on every rank that calls
+            :meth:`export` together (the FP8 ones are picked by :func:`fp8_param`).
+
+    Attributes:
+        layout: the :class:`Fp8Layout` (from ``fp8_scales`` / ``fp8_ue8m0``).
+        shapes: ``{name: (N, K)}`` of the FP8 params, in sorted name order (the order of every collective).
+        scales: ``{name: float32 tensor of layout.scale_shape}``: the scales of the last export, the same on every
+            rank (export state: checkpoint it, :meth:`load_scales`).
+        rescales: scales set again after their first export, counted over all exports of this process (a rescaled
+            channel or block is a dense update of its elements).
+        last_rescales: the same, at the last export.
+    """
+
+    def __init__(self, caster, shapes: dict):
+        self.caster = caster
+        config = caster.config
+        self.layout = Fp8Layout("block" if config.fp8_scales == "block" else "channel", config.fp8_ue8m0)
+        self.shapes = {n: tuple(shapes[n]) for n in sorted(shapes) if fp8_param(config, n, tuple(shapes[n]))}
+        self.scales: dict[str, torch.Tensor] = {}
+        self.rescales = self.last_rescales = 0
+
+    def scale_name(self, name: str) -> str:
+        """The checkpoint name of FP8 param ``name``'s scales (``...proj.weight`` -> ``...proj.weight_scale``)."""
+        return name[:-len("weight")] + self.layout.scale_name
+
+    def _runs(self, shards):
+        """``(shard, start, numel, index, name)`` of every run of an FP8 param in ``shards``."""
+        return [(s, start, numel, index, name) for s in shards for name, start, numel, index in s.runs
+                if name in self.shapes]
+
+    def _numels(self) -> dict[str, int]:
+        return {n: math.prod(self.layout.scale_shape(shape)) for n, shape in self.shapes.items()}
+
+    @torch.no_grad()
+    def export(self, shards, reduce_max, step: int | None = None) -> None:
+        """Cast the FP8 runs of ``shards`` into their ``fp8`` buffers at export ``step`` (default: the current one).
+
+        Args:
+            shards: the rank's :class:`~faircast_dist.export.Shard` s, each with ``fp8`` (uint8 1-D like ``master``,
+                holding E4M3 bits) and, for error feedback, ``fp8_residual`` (float32 1-D like ``master``).
+            reduce_max: ``reduce_max(t)`` MAX-all-reduces a float32 1-D tensor in place over the ranks that share
+                the model's params (every one calls it, with or without FP8 runs: a collective; None: one process).
+            step: the export step keying stochastic rounding's bits.
+
+        The partial absmax of every FP8 param (one value per scale) goes into one buffer, reduced once; each rank
+        then keeps the same sticky scales (:func:`sticky_scales`) and casts its elements with them.
+        """
+        method = self.caster.method
+        runs = self._runs(shards)
+        numels = self._numels()
+        offsets = dict(zip(numels, itertools.accumulate([0, *numels.values()])))
+        device = shards[0].master.device if shards else torch.device("cpu")
+        absmax = torch.zeros(sum(numels.values()), dtype=torch.float32, device=device)
+        cast_in, index_of = [], []
+        for s, start, numel, index, name in runs:
+            x = s.master.narrow(0, start, numel)
+            if method.needs_residual:
+                y = x + s.fp8_residual.narrow(0, start, numel)
+            elif self.caster.config.fp8_via_bf16:
+                y = x.to(torch.bfloat16).float()
+            else:
+                y = x
+            sidx = self.layout.scale_index(self.shapes[name], index, numel, device=x.device)
+            part = absmax.narrow(0, offsets[name], numels[name])
+            part.copy_(torch.maximum(part, partial_absmax(y, sidx, numels[name]).to(device)))
+            index_of.append(sidx)
+        if reduce_max is not None:
+            reduce_max(absmax)
+        self.last_rescales = 0
+        for name, shape in self.shapes.items():
+            a = absmax.narrow(0, offsets[name], numels[name]).view(self.layout.scale_shape(shape))
+            previous = self.scales.get(name)
+            self.scales[name], rescaled = sticky_scales(self.layout, previous, a)
+            if previous is not None:
+                self.last_rescales += int(rescaled.sum())
+        self.rescales += self.last_rescales
+        for (s, start, numel, index, name), sidx in zip(runs, index_of):
+            x = s.master.narrow(0, start, numel)
+            scale = element_scales(self.scales[name].to(x.device), sidx)
+            if method.keyed:
+                q = cast_fp8_stochastic(x, scale, self.caster.key(name, step), index)
+            elif method.needs_residual:
+                q = cast_fp8_error_feedback(x, scale, s.fp8_residual.narrow(0, start, numel))
+            else:
+                q = cast_fp8_nearest(x, scale, via_bf16=self.caster.config.fp8_via_bf16)
+            s.fp8.narrow(0, start, numel).copy_(q.view(torch.uint8))
+
+    @torch.no_grad()
+    def full(self, shards, reduce_max) -> dict[str, torch.Tensor]:
+        """The whole FP8 params: ``{name: float8_e4m3fn [N, K]}`` on the CPU, bit for bit what the ranks cast.
+
+        Args:
+            shards: as for :meth:`export`.
+            reduce_max: ``reduce_max(t)`` MAX-all-reduces a uint8 1-D tensor in place over the ranks (every one
+                calls it); None: one process (or every rank holds every element). An element's holders (replicas
+                included) have the same bits and the others 0, so the maximum is its bits.
+        """
+        numels = {n: math.prod(shape) for n, shape in self.shapes.items()}
+        offsets = dict(zip(numels, itertools.accumulate([0, *numels.values()])))
+        flat = torch.zeros(sum(numels.values()), dtype=torch.uint8, device="cpu")
+        for s, start, numel, index, name in self._runs(shards):
+            flat.narrow(0, offsets[name] + index, numel).copy_(s.fp8.narrow(0, start, numel))
+        if reduce_max is not None:
+            reduce_max(flat)
+        return {n: flat.narrow(0, offsets[n], numels[n]).view(torch.float8_e4m3fn).view(shape)
+                for n, shape in self.shapes.items()}
+
+    def served(self, weights, full: dict[str, torch.Tensor]):
+        """``weights`` (``(name, bf16 tensor)`` pairs, an adapter's bf16 served weights; the tensor may be a
+        callable returning it, called only for bf16 params) with each FP8 param replaced by
+        ``(name, float8_e4m3fn [N, K])`` and ``(scale name, float32 scales)`` (:meth:`scale_name`): the tensors
+        of a compressed-tensors / DeepSeek FP8 checkpoint."""
+        for name, weight in weights:
+            if name in full:
+                yield name, full[name]
+                yield self.scale_name(name), self.scales[name].cpu()
+            else:
+                yield name, weight() if callable(weight) else weight
+
+    def load_scales(self, scales: dict[str, torch.Tensor]) -> None:
+        """Adopt checkpointed scales (``{name: float32 tensor}``, what :attr:`scales` held).
+
+        Raises:
+            ValueError: a scale tensor of the wrong shape for its param's layout (named), or missing scales for some
+                FP8 params while others have them (another ``fp8_exclude`` or model: named).
+        """
+        missing = sorted(set(self.shapes) - set(scales))
+        if scales and missing:
+            raise ValueError(f"export_cast FP8: the checkpoint has no scales for {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''} (saved with another fp8_exclude or model?)")
+        loaded = {}
+        for name in self.shapes:
+            if name in scales:
+                want = self.layout.scale_shape(self.shapes[name])
+                if tuple(scales[name].shape) != want:
+                    raise ValueError(f"export_cast FP8: saved scales of {name!r} have shape {tuple(scales[name].shape)}, "
+                                     f"fp8_scales {self.layout.granularity!r} needs {want}")
+                loaded[name] = scales[name].float().clone()
+        self.scales = loaded

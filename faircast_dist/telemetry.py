@@ -384,6 +384,10 @@ class ExportObserver:
     def end(self, pieces) -> None:
         """The export is complete."""
 
+    def fp8(self, rescales: int) -> None:
+        """FP8 served weights (``format "fp8"``): ``rescales`` scales were set again at this export (after their
+        first: each a dense update of its channel or block; the same count on every rank)."""
+
     def reset(self) -> None:
         """Forget the served model and history: the next export starts afresh."""
 
@@ -404,6 +408,7 @@ class DriftObserver(ExportObserver):
     def __init__(self, stride: int, max_lag: int = 100, device=None):
         self.sample, self.timer, self.device = DriftSample(stride, max_lag), ExportTimer(), device
         self._new = True
+        self.rescales: int | None = None  # FP8: the last export's
 
     def begin(self, pieces) -> None:
         if self.sample.previous is None:  # the first export (of this run or since a resume)
@@ -422,9 +427,14 @@ class DriftObserver(ExportObserver):
     def end(self, pieces) -> None:
         self.sample.observe(pieces(), device=self.device)
 
+    def fp8(self, rescales: int) -> None:
+        self.rescales = rescales
+
     def reset(self) -> None:
         self.sample.reset()
 
     def reduce(self, group=None) -> dict[str, float]:
-        """:func:`reduce_drift` of this rank's sample and export time (collective)."""
-        return reduce_drift([self.sample], self.timer.ms(), group=group)
+        """:func:`reduce_drift` of this rank's sample and export time (collective), and with FP8 served weights
+        ``fp8_rescales``: the scales set again at the last export."""
+        drift = reduce_drift([self.sample], self.timer.ms(), group=group)
+        return drift if self.rescales is None else {**drift, "fp8_rescales": float(self.rescales)}

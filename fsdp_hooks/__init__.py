@@ -29,8 +29,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.config import STATE_KEY, env_config
-from faircast_dist.export import ExportState
-from faircast_dist.telemetry import DriftObserver, reduce_drift, sample_stride
+from faircast_dist.export import ExportState, fp8_note
+from faircast_dist.telemetry import DriftObserver, sample_stride
 from faircast_dist.wraps import Wraps
 from fsdp_hooks import compat
 from fsdp_hooks.export import FsdpExport
@@ -113,7 +113,7 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config=
     _attach(export)
     wraps.set(model, STATE_KEY, export)
     _log(f"Fair Cast: FSDP2 bf16 all-gather inputs and served weights use {export.caster.method} "
-         f"(seed {config.seed}) on {len(export.params)} params, replacing round-to-nearest")
+         f"(seed {config.seed}) on {len(export.params)} params, replacing round-to-nearest{fp8_note(export.state)}")
     return [export.state]
 
 
@@ -222,14 +222,15 @@ def drift_metrics(model: torch.nn.Module) -> dict[str, float] | None:
 
     Returns:
         ``{"export_cast/changed_fraction": 0..1, "export_cast/lag_steps": int, "export_cast/gap_ulps":
-        ulps, "export_cast/export_ms": ms}``; None without ``install(..., telemetry=True)`` or before
+        ulps, "export_cast/export_ms": ms}`` (with ``format "fp8"`` also ``"export_cast/fp8_rescales"``: FP8
+        scales set again at that export); None without ``install(..., telemetry=True)`` or before
         the first export (the same on every rank).
     """
     export = getattr(model, STATE_KEY, None)
     observer = None if export is None else export.state.telemetry
     if not isinstance(observer, DriftObserver) or observer.sample.last is None:
         return None
-    return {f"{STATE_KEY}/{k}": v for k, v in reduce_drift([observer.sample], observer.timer.ms()).items()}
+    return {f"{STATE_KEY}/{k}": v for k, v in observer.reduce().items()}
 
 
 def _first_holder(export: FsdpExport) -> list[bool]:

@@ -27,7 +27,9 @@ from faircast_dist.export import ExportState, warn
 class ExportCastState(Stateful):
     """DCP ``Stateful`` of a model's Fair Cast state: ``{"step": int, "method": str, "seed": int}`` plus, for
     error feedback, ``"residual"`` and ``"served"`` (``{name: DTensor}`` of each param's shape,
-    float32 / bfloat16).
+    float32 / bfloat16), and with ``format "fp8"`` ``"fp8"`` (``{name: uint8 DTensor}``, the FP8 bits served),
+    ``"fp8_scales"`` (``{name: float32 tensor}``, replicated) and, for error feedback, ``"fp8_residual"``
+    (``{name: float32 DTensor}``): all resharded by DCP like the params.
 
     A load takes effect whatever order the checkpointer restores the model in: the loaded served
     shards are what the model computes with until the next ``optimizer.step()``.
@@ -50,6 +52,11 @@ class ExportCastState(Stateful):
         state = {"step": ex.caster.step, "method": str(ex.caster.method), "seed": ex.caster.config.seed}
         if ex.residuals is not None:
             state["residual"], state["served"] = ex.dtensors(ex.residuals), ex.dtensors(ex.outs)
+        fp8 = ex.state.fp8
+        if fp8 is not None:
+            state["fp8"], state["fp8_scales"] = ex.dtensors(ex.buffers(ex.state.fp8_outs)), dict(fp8.scales)
+            if ex.residuals is not None:
+                state["fp8_residual"] = ex.dtensors(ex.buffers(ex.state.fp8_residuals))
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -64,12 +71,27 @@ def _adopt(ex, state: dict, saved_residuals: bool) -> None:
     if state.get("seed", ex.caster.config.seed) != ex.caster.config.seed and ex.caster.method.keyed:
         warn(f"fsdp_hooks.checkpoint: the checkpoint was written with seed {state['seed']}, the "
              f"config now says {ex.caster.config.seed}: the random bits change from here")
+    fp8 = ex.state.fp8
+    saved_fp8 = fp8 is not None and "fp8_scales" in state
+    if saved_fp8:
+        fp8.load_scales(state["fp8_scales"])
+    elif fp8 is not None:
+        warn("fsdp_hooks.checkpoint: the checkpoint holds no FP8 export state: FP8 scales are set afresh at "
+             "the next export" + (", FP8 residuals start at zero" if ex.residuals is not None else ""))
+        fp8.scales = {}  # nothing of the model this process held before the load carries over
+        for residual in ex.state.fp8_residuals.values():
+            residual.zero_()
     if ex.state.adopt(saved_residuals, state.get("method")) == "keep":
+        pairs = [("residual", ex.residuals), ("served", ex.outs)]
+        if saved_fp8:
+            pairs += [("fp8", ex.buffers(ex.state.fp8_outs)), ("fp8_residual", ex.buffers(ex.state.fp8_residuals))]
         with torch.no_grad():
-            for key, buffers in (("residual", ex.residuals), ("served", ex.outs)):
+            for key, buffers in pairs:
                 for target, loaded in zip(ex.dtensors(buffers).values(), state[key].values()):
                     if loaded.to_local().data_ptr() != target.to_local().data_ptr():
                         target.to_local().copy_(loaded.to_local())
+        if fp8 is not None and not saved_fp8:  # the bf16 export is the checkpoint's; the FP8 one is cast now
+            ex.state.export_fp8(ex.shards(), ex.reduce_max)
         ex.loaded()
     else:
         ex.invalidate()

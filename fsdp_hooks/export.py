@@ -56,10 +56,11 @@ class FsdpExport:
     """
 
     def __init__(self, model: torch.nn.Module, caster: FairCaster):
-        self.state = ExportState(caster, replays=False)  # outs are Fair Cast's own: nothing overwrites them
         order = {id(p): (i, canonical_name(n)) for i, (n, p) in enumerate(model.named_parameters())}
         self.params = sorted(compat.fsdp_params(model), key=lambda fp: order[id(fp.sharded_param)][0])
         self.names = [order[id(fp.sharded_param)][1] for fp in self.params]
+        self.state = ExportState(caster, replays=False,  # outs are Fair Cast's own: nothing overwrites them
+                                 shapes={n: tuple(fp.sharded_param.shape) for n, fp in zip(self.names, self.params)})
         for name, fp in zip(self.names, self.params):
             if compat.padded_shard(fp).dtype != torch.float32:
                 raise TypeError(f"fsdp_hooks: param {name!r} is {compat.padded_shard(fp).dtype}: Fair Cast casts "
@@ -75,6 +76,8 @@ class FsdpExport:
         self.counted = [True] * len(self.params)  # fsdp_hooks.install(telemetry=True) sets it
         for shard in self.shards():  # residuals from the start: a checkpoint before the first export holds them
             self.state.residual(shard.key, shard.master)
+        if self.state.fp8 is not None:  # the FP8 buffers too
+            self.state.fp8_shards(self.shards())
         self._versions = None  # the params' version counters at the last export (None: never exported)
         self._hold = False  # outs were loaded: they are the export until the next optimizer step
 
@@ -104,10 +107,25 @@ class FsdpExport:
         return [(id(fp.sharded_param), fp.sharded_param._version, id(compat.padded_shard(fp))) for fp in self.params]
 
     def export(self) -> None:
-        """Cast every local fp32 shard into :attr:`outs` at the current export step (one fused call).
+        """Cast every local fp32 shard into :attr:`outs` at the current export step (one fused call), and with
+        ``format "fp8"`` into the FP8 buffers (collective: one MAX all-reduce of the scales' absmax).
         The step advances when the optimizer steps (:meth:`stepped`), not here: the cast is lazy."""
-        self.state.export(self.shards(), advance=False)
+        self.state.export(self.shards(), advance=False, reduce_max=self.reduce_max)
         self._versions = self.versions()
+
+    def reduce_max(self, t: torch.Tensor) -> None:
+        """MAX all-reduce of ``t`` in place over the default process group (every rank holds every param's
+        DTensor), on the params' device (NCCL: CUDA); nothing without torch.distributed."""
+        if not torch.distributed.is_initialized():
+            return
+        device = self.params[0].sharded_param.device if self.params else t.device
+        on = t.to(device)
+        torch.distributed.all_reduce(on, op=torch.distributed.ReduceOp.MAX)
+        t.copy_(on)
+
+    def buffers(self, store: dict) -> list[torch.Tensor]:
+        """Per param, in :attr:`names` order, its buffer in ``store`` (``state.fp8_outs`` / ``state.fp8_residuals``)."""
+        return [store[n] for n in self.names]
 
     def ensure(self) -> None:
         """Export if the masters changed since the last export (not after a load: :meth:`loaded`)."""

@@ -15,6 +15,10 @@ def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     ``model.named_parameters()`` order:
     exactly the bits this step's forward computes with.
 
+    With ``format "fp8"`` each FP8 param is yielded instead as ``(name, float8_e4m3fn [N, K])`` followed by
+    ``(scale name, float32 scales)`` (:meth:`faircast_dist.fp8.Fp8Export.served`): all FP8 params are gathered
+    first, in one uint8 all-reduce (memory: 1 byte per FP8 element).
+
     Each param is all-gathered on its own (memory: one full param at a time) and yielded as a new
     tensor. Collective: every rank must run the generator to the end.
 
@@ -26,8 +30,14 @@ def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     """
     if getattr(model, "export_cast", None) is None:
         raise ValueError("fsdp_hooks.served_weights: Fair Cast is not installed on this model (fsdp_hooks.install)")
-    for name, shard in served_shards(model).items():
-        yield name, shard.full_tensor()
+    shards = served_shards(model)
+    export = model.export_cast
+    if export.state.fp8 is None:
+        for name, shard in shards.items():
+            yield name, shard.full_tensor()
+        return
+    full = export.state.full_fp8(export.shards(), export.reduce_max)
+    yield from export.state.fp8.served(((name, shard.full_tensor) for name, shard in shards.items()), full)
 
 
 def served_shards(model: torch.nn.Module) -> dict[str, DTensor]:

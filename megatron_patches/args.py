@@ -4,9 +4,14 @@
     --export-cast-method {stochastic,error-feedback,dithered} default stochastic
     --export-cast-seed INT                           default 1234
     --export-cast-residual-dtype {float32,bfloat16}  default float32 (error feedback's residual)
+    --export-cast-format {bf16,fp8}                  default bf16 (fp8: FP8 E4M3 served weights too)
+    --export-cast-fp8-scales {channel}               default channel (one scale per output row)
+    --[no-]export-cast-fp8-ue8m0                     default off (power-of-two scales)
+    --[no-]export-cast-fp8-via-bf16                  default off (round-to-nearest via bf16: the stacks')
+    --export-cast-fp8-exclude REGEX                  default: embeddings, output layer, norms, routers
     --[no-]export-cast-telemetry                     default on (with --tensorboard-dir / --wandb-project)
 
-Under ``faircast-run`` the defaults of the first four are ``FAIRCAST_EXPORT_CAST``'s: a flag given on
+Under ``faircast-run`` the defaults of all but the last are ``FAIRCAST_EXPORT_CAST``'s: a flag given on
 the command line wins, the variable fills what the command line leaves unset, and the parsed
 ``args`` (what Megatron-LM prints) are the config that runs.
 """
@@ -16,12 +21,14 @@ import argparse
 from typing import Callable, Optional
 
 from faircast_dist import ExportCastConfig
-from faircast_dist.config import METHODS, RESIDUAL_DTYPES, ConfigError, env_config
+from faircast_dist.config import FORMATS, METHODS, RESIDUAL_DTYPES, ConfigError, env_config
 
 GROUP_TITLE = "export cast (Fair Cast)"
 FLAG_METHODS = tuple(m.replace("_", "-") for m in METHODS)  # the flag spells error_feedback error-feedback
 FLAGS = {"mode": "--export-cast", "method": "--export-cast-method", "seed": "--export-cast-seed",
-         "residual_dtype": "--export-cast-residual-dtype"}  # ExportCastConfig field -> its flag
+         "residual_dtype": "--export-cast-residual-dtype", "format": "--export-cast-format",
+         "fp8_scales": "--export-cast-fp8-scales", "fp8_ue8m0": "--export-cast-fp8-ue8m0",
+         "fp8_via_bf16": "--export-cast-fp8-via-bf16", "fp8_exclude": "--export-cast-fp8-exclude"}  # field -> flag
 
 
 def add_export_cast_args(parser: argparse.ArgumentParser,
@@ -58,6 +65,24 @@ def add_export_cast_args(parser: argparse.ArgumentParser,
                        default=defaults.residual_dtype,
                        help="With --export-cast-method error-feedback: the residual's dtype (bfloat16 "
                             "halves its memory and rounds the residual itself).")
+    group.add_argument("--export-cast-format", choices=list(FORMATS), default=defaults.format,
+                       help="The served weights: 'bf16' (the model's bf16 params) or 'fp8': the 2-D linear weights "
+                            "are also served as FP8 E4M3 with fp32 scales, cast from the fp32 masters by the "
+                            "method (--export-cast nearest: round-to-nearest, what RL stacks do), for an FP8 "
+                            "rollout engine (megatron_patches.served_weights).")
+    group.add_argument("--export-cast-fp8-scales", choices=["channel"], default=defaults.fp8_scales,
+                       help="With --export-cast-format fp8: one fp32 scale per output row (weight_scale [N, 1], "
+                            "vLLM's compressed-tensors FP8_DYNAMIC). 128x128 blocks are not supported on Megatron "
+                            "yet (its fused linear_qkv interleaves q/k/v rows).")
+    group.add_argument("--export-cast-fp8-ue8m0", action=argparse.BooleanOptionalAction, default=defaults.fp8_ue8m0,
+                       help="With --export-cast-format fp8: power-of-two scales.")
+    group.add_argument("--export-cast-fp8-via-bf16", action=argparse.BooleanOptionalAction,
+                       default=defaults.fp8_via_bf16,
+                       help="With --export-cast-format fp8 and --export-cast nearest: round the master to bf16 "
+                            "first (the RL stacks' double rounding, for comparison).")
+    group.add_argument("--export-cast-fp8-exclude", default=defaults.fp8_exclude, metavar="REGEX",
+                       help="With --export-cast-format fp8: params whose name matches stay bf16 (default: "
+                            "embeddings, the output layer, norms, routers).")
     group.add_argument("--export-cast-telemetry", action=argparse.BooleanOptionalAction, default=True,
                        help="With --export-cast fair and --tensorboard-dir or --wandb-project: log "
                             "export-cast/{changed-fraction,lag-steps,gap-ulps,export-ms} at every "

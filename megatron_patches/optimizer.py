@@ -55,7 +55,7 @@ import torch
 from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.config import STATE_KEY
 from faircast_dist.copy_hook import ReplaceCopies
-from faircast_dist.export import ExportState, Shard, warn
+from faircast_dist.export import ExportState, Shard, fp8_note, warn
 from faircast_dist.shards import from_bits, to_bits
 from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
 from faircast_dist.wraps import Wraps
@@ -64,6 +64,9 @@ from megatron_patches.layout import ParamLayout, describe_model, model_entries
 
 RESIDUALS_METADATA_KEY = "export_cast_residuals"  # in the checkpoint's content metadata
 RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.residual."
+FP8_METADATA_KEY = "export_cast_fp8"  # in the content metadata: the checkpoint holds FP8 export state
+FP8_PREFIX = f"optimizer.{STATE_KEY}.fp8."
+FP8_RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.fp8_residual."
 
 
 @dataclasses.dataclass
@@ -85,6 +88,9 @@ class MegatronExport:
         model_chunks: the model chunks (used when a sharded_state_dict call gets no model dict).
         iteration: the trainer's iteration count (an int; None: unknown), read by the first export
             after the masters were reloaded from the model (see :meth:`reloaded`).
+        shapes: ``format "fp8"``: ``{canonical name: full shape}`` of this leaf's params on every rank
+            (:func:`install` gathers them).
+        index: the leaf's position among the (non-stub) leaves, the same on every rank.
 
     Attributes:
         state: the :class:`~faircast_dist.export.ExportState` (step, residuals and the served copy
@@ -92,9 +98,10 @@ class MegatronExport:
     """
 
     def __init__(self, optimizer, caster: FairCaster, layouts: dict, model_chunks,
-                 iteration: Callable[[], int | None] | None = None):
+                 iteration: Callable[[], int | None] | None = None, shapes: dict | None = None, index: int = 0):
         self.optimizer, self.model_chunks = optimizer, list(model_chunks)
-        self.state = ExportState(caster)
+        self.state = ExportState(caster, shapes=shapes)
+        self.index = index  # the leaf's position among the ranks' leaves (names its FP8 scales in checkpoints)
         self.iteration = iteration or (lambda: None)
         self.step_from_iteration = False  # set by reloaded(): the next export takes self.iteration()
         self.distributed = isinstance(optimizer, compat.DistributedOptimizer)
@@ -181,7 +188,25 @@ class MegatronExport:
             iteration = self.iteration()
             if iteration is not None:
                 self.caster.step = int(iteration)
-        self.state.export(self._operands(self.shards()))
+        self.state.export(self._operands(self.shards()), reduce_max=self.reduce_max)
+
+    def reduce_max(self, t: torch.Tensor) -> None:
+        """MAX all-reduce of ``t`` in place over the world (``format "fp8"``: a channel spans TP ranks, the
+        DistributedOptimizer's DP shards, and only the ranks of a stage hold a layer), on the params' device."""
+        if not torch.distributed.is_initialized():
+            return
+        on = t.to(self.device())
+        torch.distributed.all_reduce(on, op=torch.distributed.ReduceOp.MAX)
+        t.copy_(on)
+
+    def export_fp8(self, step: int | None = None) -> None:
+        """``format "fp8"``: cast the FP8 served copy of the masters (collective; nothing else changes)."""
+        self.state.export_fp8(self._operands(self.shards(), check=False), self.reduce_max, step)
+
+    def full_fp8(self) -> dict:
+        """``format "fp8"``: ``{canonical name: float8_e4m3fn full tensor}`` of this leaf's FP8 params
+        (collective: one uint8 MAX all-reduce of the FP8 params' elements)."""
+        return self.state.full_fp8(self._operands(self.shards(), check=False), self.reduce_max)
 
     def replay(self) -> None:
         """Write the last export into the bf16 targets again, bit for bit (the step does not advance,
@@ -241,9 +266,13 @@ class MegatronExport:
         ``load_checkpoint`` with ``--no-load-optim`` or ``--finetune``, an RL stack's weight load):
         zero the residuals; the model is what is served; the next export's step is the trainer's
         iteration when known (Megatron-LM: the checkpoint's, 0 after ``--finetune``), so a
-        model-only load continues the export step as DeepSpeed's module-only load does."""
+        model-only load continues the export step as DeepSpeed's module-only load does.
+        ``format "fp8"``: the FP8 copy of the new masters is cast now, scales set afresh (collective)."""
         self._served_from_model()
         self.step_from_iteration = True
+        if self.state.fp8 is not None:
+            self.state.fp8.scales = {}
+            self.export_fp8(step=max(self.caster.step - 1, 0))
 
     def _served_from_model(self) -> None:
         """The masters were replaced and match the model: zero the residuals, keep what is served."""
@@ -305,15 +334,24 @@ class MegatronExport:
         return [(p, self.layouts[id(p)]) for p in compat.bucket_params(self.optimizer)
                 if id(p) in self.layouts and p.dtype == torch.bfloat16]
 
-    def _full_residual(self, param, shards_by_param) -> torch.Tensor:
-        """The TP-local param's whole residual (collective over the DP group for DistOpt)."""
+    def _full_residual(self, param, shards_by_param, store: dict | None = None,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The TP-local param's whole residual (or another per-element export state: ``store`` keyed by
+        ``id(param)``, flat, of ``dtype``; collective over the DP group for DistOpt)."""
         shard = shards_by_param.get(id(param))
+        store = self.residuals if store is None else store
+        dtype = compat_residual_dtype(self.caster) if dtype is None else dtype
         if not self.distributed:
-            return self.residuals[id(param)]
-        dtype = compat_residual_dtype(self.caster)
+            return store[id(param)].view(param.shape)
+        if dtype == torch.uint8:  # FP8 bits: disjoint ranges, zeros elsewhere: an integer sum is an exact gather
+            full = torch.zeros(param.numel(), dtype=torch.uint8, device=param.device)
+            if shard is not None:
+                full[shard.start:shard.end] = store[id(param)].view(-1).to(param.device)
+            torch.distributed.all_reduce(full, group=compat.data_parallel_group(self.optimizer))
+            return full.view(param.shape)
         bits = torch.zeros(param.numel(), dtype=torch.int32, device=param.device)  # the DP group's device
         if shard is not None:
-            bits[shard.start:shard.end] = to_bits(self.residuals[id(param)].view(-1))
+            bits[shard.start:shard.end] = to_bits(store[id(param)].view(-1))
         # disjoint ranges, zeros elsewhere: an integer sum is an exact gather
         torch.distributed.all_reduce(bits, group=compat.data_parallel_group(self.optimizer))
         return from_bits(bits, dtype).view(param.shape)
@@ -325,6 +363,15 @@ class MegatronExport:
         marked when saving residuals; when loading, residuals are requested only if it is None or
         marked."""
         state = {"step": self.caster.step, "method": self.caster.method.value}  # a plain str in the checkpoint
+        fp8 = self.state.fp8
+        fp8_saved = fp8 is not None and (metadata is None or not is_loading or metadata.get(FP8_METADATA_KEY))
+        if fp8 is not None and metadata is not None and not is_loading:
+            metadata[FP8_METADATA_KEY] = True
+        if fp8_saved:  # every rank holds every scale: global rank 0 writes them, every rank reads them
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            state["fp8_scales"] = compat.ShardedObject(f"optimizer.{STATE_KEY}.fp8_scales.{self.index}",
+                                                       {n: t.cpu() for n, t in fp8.scales.items()}, (1,), (0,),
+                                                       replica_id=rank)
         if not self.caster.method.needs_residual:
             return state
         if metadata is not None:
@@ -335,21 +382,30 @@ class MegatronExport:
         entries = model_entries(self.model_chunks, model_sharded_state_dict or None)
         shards = {id(s.model_param): s for s in self.shards()}
         dtype = compat_residual_dtype(self.caster)
-        residual = {}
+        # per element: the residual; FP8 error feedback: the FP8 bits served and the FP8 residual too
+        kinds = [("residual", RESIDUAL_PREFIX, None, dtype)]
+        if fp8_saved:
+            operands = self.state.fp8_shards(self._operands(self.shards(), check=False))  # the buffers exist
+            kinds += [("fp8", FP8_PREFIX, self.state.fp8_outs, torch.uint8),
+                      ("fp8_residual", FP8_RESIDUAL_PREFIX, self.state.fp8_residuals, torch.float32)]
+            del operands
         # every rank lists every param (dist-checkpointing checks that main replicas cover each
         # tensor, on load too); a rank keeps only its own range after loading
-        for param, layout in self._all_params():
-            entry = entries.get(id(param))
-            if entry is None:
-                raise ValueError(f"Fair Cast: param {layout.name!r} is missing from the model "
-                                 "sharded_state_dict handed to the optimizer")
-            data = (torch.empty(param.shape, dtype=dtype, device=param.device) if is_loading
-                    else self._full_residual(param, shards))
-            kwargs = dict(key=RESIDUAL_PREFIX + entry.key, data=data)
-            if isinstance(entry, compat.ShardedTensor):
-                kwargs["dtype"] = dtype
-            residual[layout.name] = replace(entry, **kwargs)
-        state["residual"] = residual
+        for kind, prefix, store, kind_dtype in kinds:
+            state[kind] = {}
+            for param, layout in self._all_params():
+                entry = entries.get(id(param))
+                if entry is None:
+                    raise ValueError(f"Fair Cast: param {layout.name!r} is missing from the model "
+                                     "sharded_state_dict handed to the optimizer")
+                if kind != "residual" and layout.name not in fp8.shapes:
+                    continue
+                data = (torch.empty(param.shape, dtype=kind_dtype, device=param.device) if is_loading
+                        else self._full_residual(param, shards, store, kind_dtype))
+                kwargs = dict(key=prefix + entry.key, data=data)
+                if isinstance(entry, compat.ShardedTensor):
+                    kwargs["dtype"] = kind_dtype
+                state[kind][layout.name] = replace(entry, **kwargs)
         return state
 
     def load(self, state: dict | None) -> None:
@@ -362,7 +418,8 @@ class MegatronExport:
         if state is None:
             if not self._internal_load:
                 warn(f"the optimizer state has no {STATE_KEY!r} entry (a checkpoint saved without Fair Cast?); "
-                     "the residuals start at zero, the export step at the trainer's iteration when known")
+                     "the residuals start at zero, the export step at the trainer's iteration when known"
+                     + ("; FP8 scales are set afresh from the loaded masters" if self.state.fp8 is not None else ""))
                 self.reloaded()  # the loaded model is what is served (loaded before the optimizer)
             return
         self.caster.step = int(state["step"])
@@ -378,18 +435,51 @@ class MegatronExport:
         action = self.state.adopt(bool(saved), state.get("method"), warning=unrequested)
         # the model was loaded first (as Megatron-LM's load_checkpoint does): it is the saved export
         self.state.keep_served(self._operands(self.shards(), check=False))
-        if action != "keep":
-            return
+        if action == "keep":
+            self._take(saved, "residual", self.residuals)
+        self._load_fp8(state, action == "keep")
+
+    def _take(self, saved: dict, what: str, store: dict) -> None:
+        """Copy this rank's range of each saved whole tensor (``saved``: ``{canonical name: tensor}``) into ``store``.
+
+        Raises:
+            ValueError: a param missing from ``saved``, or a saved tensor too small for it (named).
+        """
         for shard in self.shards():
+            if store is not self.residuals and shard.layout.name not in self.state.fp8.shapes:
+                continue
             full = saved.get(shard.layout.name)
             if full is None:
-                raise ValueError(f"Fair Cast: checkpoint lacks the residual of {shard.layout.name!r}")
+                raise ValueError(f"Fair Cast: checkpoint lacks the {what} of {shard.layout.name!r}")
             full = full.reshape(-1)
             if full.numel() < shard.end:
-                raise ValueError(f"Fair Cast: saved residual of {shard.layout.name!r} has "
+                raise ValueError(f"Fair Cast: saved {what} of {shard.layout.name!r} has "
                                  f"{full.numel()} elements, the param has {shard.layout.numel}")
-            residual = self.residuals[id(shard.model_param)]
-            residual.view(-1).copy_(full[shard.start:shard.end])
+            store[id(shard.model_param)].view(-1).copy_(full[shard.start:shard.end])
+
+    def _load_fp8(self, state: dict, kept: bool) -> None:
+        """``format "fp8"``: the loaded scales (and with error feedback the FP8 bits and residuals), or, in a
+        checkpoint without them, scales set afresh (warned); then the FP8 copy of the loaded masters is cast at
+        the last export's step, except for a kept error-feedback state (whose bits are the saved ones)."""
+        fp8 = self.state.fp8
+        if fp8 is None:
+            return
+        self.state.fp8_shards(self._operands(self.shards(), check=False))  # the buffers exist
+        scales = state.get("fp8_scales")
+        ef = self.caster.method.needs_residual
+        if scales is not None and (not ef or (kept and state.get("fp8") and state.get("fp8_residual"))):
+            fp8.load_scales(scales)
+            if ef:
+                self._take(state["fp8"], "FP8 bits", self.state.fp8_outs)
+                self._take(state["fp8_residual"], "FP8 residual", self.state.fp8_residuals)
+                return
+        else:
+            warn("the checkpoint has no FP8 export state: FP8 scales are set afresh from the loaded masters"
+                 + (", FP8 residuals start at zero" if ef else ""))
+            fp8.scales = {}
+            for residual in self.state.fp8_residuals.values():
+                residual.zero_()
+        self.export_fp8(step=max(self.caster.step - 1, 0))
 
 
 def compat_residual_dtype(caster: FairCaster) -> torch.dtype:
@@ -477,9 +567,11 @@ def install(optimizer, model_chunks, *, config, telemetry: bool = False,
         if compat.uses_megatron_fsdp(leaf):
             raise NotImplementedError("--export-cast fair does not support Megatron FSDP (--use-megatron-fsdp)")
     layouts = describe_model(model_chunks)
+    shapes = _fp8_shapes(config, leaves, layouts)
     exports = []
-    for leaf in leaves:
-        export = MegatronExport(leaf, FairCaster(config), layouts, model_chunks, iteration)
+    for k, leaf in enumerate(leaves):
+        export = MegatronExport(leaf, FairCaster(config), layouts, model_chunks, iteration,
+                                shapes=None if shapes is None else shapes[k], index=k)
         for shard in export.shards():
             if compat.is_quantized_param(leaf, shard.model_param):
                 raise NotImplementedError(f"--export-cast fair: param {shard.layout.name!r} is FP8/FP4 "
@@ -488,13 +580,61 @@ def install(optimizer, model_chunks, *, config, telemetry: bool = False,
         exports.append(export)
     if telemetry:
         _start_telemetry(exports, sample, max_lag)
+    if config.fp8:  # the initial model's FP8 copy, served until the first step (collective, leaf by leaf)
+        for export in exports:
+            export.export_fp8()
+        if exports:
+            exports[0].wraps.on_uninstall(functools.partial(_set_fp8_exports, model_chunks, None))
+            _set_fp8_exports(model_chunks, exports)
     if not leaves:  # after the telemetry's collective, which every rank joins
         _print_rank_0("Fair Cast: left stock (round-to-nearest): the optimizer holds no trainable param")
         return []
     _print_rank_0(f"Fair Cast: master->bf16 export cast uses {config.effective_method} (seed {config.seed}) on "
                   f"{', '.join(type(o).__name__ for o in leaves)}, replacing the round-to-nearest copy in "
-                  f"{compat.COPY_TO_MODEL}")
+                  f"{compat.COPY_TO_MODEL}{fp8_note(exports[0].state)}")
     return [export.state for export in exports]
+
+
+#: the model chunk attribute that lists the leaf exports serving FP8 weights (:func:`megatron_patches.served_weights`)
+FP8_EXPORTS = "export_cast_fp8"
+
+
+def _set_fp8_exports(model_chunks, exports) -> None:
+    for chunk in model_chunks:
+        if exports is None:
+            vars(chunk).pop(FP8_EXPORTS, None)
+        else:
+            setattr(chunk, FP8_EXPORTS, exports)
+
+
+def _fp8_shapes(config, leaves, layouts) -> list[dict] | None:
+    """``format "fp8"``: per leaf, ``{canonical name: full shape}`` of its params on every rank (collective: one
+    ``all_gather_object``; PP stages hold other layers). None without FP8.
+
+    Raises:
+        NotImplementedError: ``fp8_scales "block"`` (Megatron's fused ``linear_qkv`` interleaves q, k and v rows:
+            128-row blocks are not the checkpoint's), or ranks with different numbers of leaf optimizers.
+    """
+    if not config.fp8:
+        return None
+    if config.fp8_scales != "channel":
+        raise NotImplementedError("export_cast FP8 on Megatron: fp8_scales 'block' is not supported yet (blocks are "
+                                  "defined on the checkpoint's q/k/v and gate/up tensors, which Megatron fuses and "
+                                  "interleaves); use fp8_scales 'channel' (one scale per output row)")
+    mine = [{} for _ in leaves]
+    for k, leaf in enumerate(leaves):
+        for p, _, _, _ in compat.master_shards(leaf):
+            layout = layouts[id(p)]
+            mine[k][layout.name] = layout.blocks[0].global_shape
+    everyone = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    if len({len(e) for e in everyone}) != 1:
+        raise NotImplementedError(f"export_cast FP8 on Megatron: the ranks hold different numbers of optimizers "
+                                  f"({sorted({len(e) for e in everyone})}); the FP8 scales are reduced per optimizer")
+    return [{n: shape for e in everyone for n, shape in e[k].items()} for k in range(len(leaves))]
 
 
 def _print_rank_0(message: str) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from faircast_dist.delta import DeltaTracker
 from megatron_patches.gather import gather_full
+from megatron_patches.optimizer import FP8_EXPORTS
 
 
 def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
@@ -21,8 +22,14 @@ def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     With ``--overlap-param-gather`` the param all-gather the next forward would finish is finished
     first, as Megatron-LM does before an evaluation or a save.
 
+    With ``format "fp8"`` each FP8 param is yielded instead as ``(name, float8_e4m3fn [N, K])`` followed by
+    ``(scale name, float32 [N, 1])`` (:meth:`faircast_dist.fp8.Fp8Export.served`), in Megatron's row order (the
+    fused ``linear_qkv`` interleaves q/k/v rows per query group; an engine's name map permutes the scales' rows
+    with the weight's).
+
     Collective over the default process group: every rank must run the generator (one reduce of the
-    whole model's elements, as int32 bits; host memory about 3x the model's element count).
+    whole model's elements, as int32 bits; host memory about 3x the model's element count; FP8: one more
+    uint8 all-reduce of the FP8 params' elements per leaf optimizer).
 
     Args:
         model: this rank's model chunk or list of chunks (DDP-wrapped, any TP/PP/DP layout).
@@ -32,7 +39,12 @@ def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         if getattr(chunk, "use_forward_hook", False):  # megatron-core DDP with --overlap-param-gather
             chunk.disable_forward_pre_hook(param_sync=True)
             chunk.enable_forward_pre_hook()
-    yield from gather_full(list(chunks), lambda p: p.detach(), dst=None).items()
+    exports = getattr(chunks[0], FP8_EXPORTS, None) if chunks else None
+    fulls = [export.full_fp8() for export in exports or ()]
+    weights = iter(gather_full(list(chunks), lambda p: p.detach(), dst=None).items())
+    for export, full in zip(exports or (), fulls):
+        weights = export.state.fp8.served(weights, full)
+    yield from weights
 
 
 def served_deltas(model, tracker: DeltaTracker) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -195,7 +195,16 @@ def _worker(rank, world_size, port, opts, out_path):
     def deltas():  # small buckets so ZeRO-3 gathers several times
         return [(n, i.to("cpu", copy=True), v.to("cpu", copy=True)) for n, i, v in served_deltas(engine, tracker, bucket_bytes=1024)]
 
+    def fp8_snapshot(master, step):  # FP8 served weights: what the export API serves, and the masters cast
+        if export is None or export.state.fp8 is None:
+            return
+        shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}
+        fp8 = {n: t.to("cpu", copy=True) for n, t in served_weights(engine) if t.dtype != torch.bfloat16}
+        record.setdefault("fp8", []).append({"step": step, "served": fp8,
+                                             "masters": {n: master[n].view(shapes[n]) for n in master}})
+
     prev = record["start"] = snapshot()
+    fp8_snapshot(prev[1], max(export.caster.step - 1, 0) if export else 0)  # install (or the load): the first export
     record["deltas"] = [deltas()]  # the first call: every element
     for step in range(first, first + opts["steps"]):
         if opts["save_dir"] and step in opts["save_at"]:
@@ -223,6 +232,7 @@ def _worker(rank, world_size, port, opts, out_path):
                 record["mismatch"] += int((q.view(torch.int16) != bf16[n].view(torch.int16)).sum())
                 record["rtn_differs"] += int((master[n].to(torch.bfloat16) != bf16[n]).sum())
         record["bf16"].append(bf16), record["master"].append(master), record["residual"].append(residual)
+        fp8_snapshot(master, export.caster.step - 1 if export else 0)
         record["deltas"].append(deltas())
         prev = (bf16, master, residual)
     record["deltas_again"] = deltas()  # no step since the last call: nothing changed

@@ -181,11 +181,15 @@ def train(job: dict) -> dict:
     x, _ = batch(99)
     with torch.no_grad():
         record["logits"] = model(x).detach().clone()
-        if "served" in record["final"] and not job.get("tp"):
+        if "served" in record["final"] and not job.get("tp") and not _fp8(job):
             plain = Tiny().to(torch.bfloat16)
             plain.load_state_dict(record["final"]["served"])
             record["plain_logits"] = plain(x.to(torch.bfloat16))
     return record
+
+
+def _fp8(job: dict) -> bool:
+    return isinstance(job.get("export_cast"), dict) and job["export_cast"].get("format") == "fp8"
 
 
 def activated(job: dict) -> dict:

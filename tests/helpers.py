@@ -39,3 +39,42 @@ def logged_warnings():
         yield messages
     finally:
         log.removeHandler(handler)
+
+
+def reference_fp8(config, snapshots) -> list[dict]:
+    """The single-process reference of FP8 served weights (``format "fp8"``), from the spec functions on whole
+    params: per snapshot (``{"step": int, "masters": {name: full fp32 master}}``, one per export, in order), the
+    sticky scales from each whole tensor's absmax and the cast of each FP8 param; error feedback carries its fp32
+    residual from export to export (zero at the first).
+
+    Returns:
+        per snapshot ``{name: float8_e4m3fn weight, scale name: float32 scales}`` of the FP8 params.
+    """
+    from faircast_dist import ExportCastConfig, FairCaster, fp8, rounding
+    config = ExportCastConfig.from_value(config)
+    caster = FairCaster(config)
+    layout = fp8.Fp8Layout(config.fp8_scales, config.fp8_ue8m0)
+    scales, residual, out = {}, {}, []
+    for snap in snapshots:
+        caster.step = snap["step"]
+        served = {}
+        for name, master in snap["masters"].items():
+            if not fp8.fp8_param(config, name, tuple(master.shape)):
+                continue
+            x, shape = master.reshape(-1).float(), tuple(master.shape)
+            r = residual.setdefault(name, torch.zeros_like(x))
+            y = x + r if caster.method == "error_feedback" else x.bfloat16().float() if config.fp8_via_bf16 else x
+            index = layout.scale_index(shape, 0, x.numel())
+            absmax = fp8.partial_absmax(y, index, index.max().item() + 1).view(layout.scale_shape(shape))
+            scales[name], _ = fp8.sticky_scales(layout, scales.get(name), absmax)
+            s = fp8.element_scales(scales[name], index)
+            if caster.method in ("stochastic", "dithered"):
+                q = rounding.cast_fp8_stochastic(x, s, caster.key(name), 0)
+            elif caster.method == "error_feedback":
+                q = rounding.cast_fp8_error_feedback(x, s, r)
+            else:
+                q = rounding.cast_fp8_nearest(x, s, via_bf16=config.fp8_via_bf16)
+            served[name] = q.view(shape)
+            served[name[:-len("weight")] + layout.scale_name] = scales[name].clone()
+        out.append(served)
+    return out

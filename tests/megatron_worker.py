@@ -302,6 +302,16 @@ def reference_mismatch(config, step, snap, prev_residual):
     return mismatch, differs
 
 
+def fp8_snapshot(model, optimizer, step: int) -> dict:
+    """FP8 served weights (``format "fp8"``): what ``megatron_patches.served_weights`` yields that is not bf16 (the
+    FP8 params and their scales), and every param's gathered master by canonical name (collective)."""
+    import megatron_patches
+    served = {n: t.clone() for n, t in megatron_patches.served_weights(model) if t.dtype != torch.bfloat16}
+    snap = snapshot(model, optimizer, False)
+    return {"step": step, "served": served,
+            "masters": {name: snap["master"][key][index].clone() for key, name, index in params_of(snap)}}
+
+
 def set_state(model, optimizer, seed: int):
     """A layout-independent master (+ residual) state, placed by Megatron's metadata and ranges."""
     from megatron_patches.gather import shards
@@ -450,10 +460,13 @@ def _run_job(tp, pp, job: dict) -> dict:
     record["instance_wraps"] = sorted({n for leaf in leaves(optimizer) for n in vars(leaf) if n in (
         "_copy_main_params_to_model_params", "_copy_main_params_to_param_buffer", "_copy_model_params_to_main_params",
         "step_with_ready_grads", "sharded_state_dict", "load_state_dict", "export_cast")})
+    fp8 = [] if config.fp8 else None  # FP8 served weights at install (or the load), then after every export
     if job.get("load"):
         load(model, optimizer, job["load"], job.get("sharding", "dp_reshardable"), job.get("fresh_metadata", False))
         record["loaded"] = snapshot(model, optimizer, ef)
         record["loaded_step"] = [e.caster.step for e in exports(optimizer)]
+    if fp8 is not None:
+        fp8.append(fp8_snapshot(model, optimizer, max(exports(optimizer)[0].caster.step - 1, 0)))
     if "set_state" in job:
         set_state(model, optimizer, job["set_state"])
         prev = snapshot(model, optimizer, ef)
@@ -462,6 +475,8 @@ def _run_job(tp, pp, job: dict) -> dict:
             with CopyProbe(optimizer) as probe:
                 export_only(model, optimizer)
             record["master_copies"] += probe.count
+            if fp8 is not None:
+                fp8.append(fp8_snapshot(model, optimizer, step))
             snap = snapshot(model, optimizer, ef)
             mm, dif = reference_mismatch(config, step, snap, prev["residual"])
             record["mismatch"] += mm
@@ -489,6 +504,8 @@ def _run_job(tp, pp, job: dict) -> dict:
         if exports(optimizer):
             step = exports(optimizer)[0].caster.step - 1  # the step this export drew its bits with
             record["export_steps"].append(step)
+        if fp8 is not None:
+            fp8.append(fp8_snapshot(model, optimizer, step))
         if "megatron_lm" in job:  # as Megatron-LM's train() does after every iteration
             lm.training.training_log({}, {}, 1e-3, first + k + 1, 1.0, False, 0, 1.0, None, None, None,
                                      pg_collection=None, is_first_iteration=k == 0)
@@ -521,6 +538,7 @@ def _run_job(tp, pp, job: dict) -> dict:
     if job.get("reload"):
         optimizer.reload_model_params()
         record["after_reload"] = snapshot(model, optimizer, ef)
+    record["fp8"] = fp8
     record["replica_mismatch"] = sum(s["replica_mismatch"] for s in record["snaps"])
     return record
 

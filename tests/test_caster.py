@@ -8,7 +8,7 @@ import torch
 from faircast_dist import ExportCastConfig, FairCaster, derive_key
 from faircast_dist.philox import derive_dither_key
 from faircast_dist.caster import adopt_residuals
-from faircast_dist.config import Method
+from faircast_dist.config import ConfigError, Method
 from faircast_dist.rounding import cast_stochastic
 from faircast_dist.telemetry import LagTracker, bf16_spacing, changed_fraction, gap_ulps, logprob_gap
 
@@ -41,6 +41,34 @@ def test_config_parsing_and_errors():
         ExportCastConfig.from_value({"mode": "fair", "residual_dtype": ["float32"]})
     with pytest.raises(ValueError, match="export_cast.method must be one of .* got None"):
         ExportCastConfig.from_value({"mode": "fair", "method": None})
+
+
+def test_fp8_format_settings_are_checked_and_named():
+    """format "fp8": installs even with mode "nearest" (the stacks' FP8 rounding is a baseline worth serving);
+    every FP8 key's bad value, or an FP8 key without format "fp8", is an error naming it."""
+    fp8 = ExportCastConfig.from_value({"mode": "nearest", "format": "fp8"})
+    assert fp8.enabled and fp8.fp8 and fp8.effective_method == "nearest"
+    assert not ExportCastConfig.from_value({"mode": "nearest"}).enabled
+    bad = [({"mode": "fair", "format": "fp16"}, "format", "export_cast.format must be one of"),
+           ({"mode": "fair", "format": "fp8", "fp8_scales": "tensor"}, "fp8_scales", "fp8_scales must be one of"),
+           ({"mode": "fair", "format": "fp8", "fp8_ue8m0": 1}, "fp8_ue8m0", "must be true or false"),
+           ({"mode": "fair", "format": "fp8", "fp8_exclude": "(lm_head"}, "fp8_exclude", "regular expression"),
+           ({"mode": "fair", "fp8_scales": "block"}, "fp8_scales", "set but format is 'bf16'"),
+           ({"mode": "fair", "format": "fp8", "fp8_via_bf16": True}, "fp8_via_bf16", "round-to-nearest")]
+    for value, field, match in bad:
+        with pytest.raises(ConfigError, match=match) as err:
+            ExportCastConfig.from_value(value)
+        assert err.value.field == field
+    from faircast_dist.fp8 import fp8_param
+    names = {"model.layers.0.self_attn.q_proj.weight": True, "model.layers.0.mlp.down_proj.weight": True,
+             "model.embed_tokens.weight": False, "lm_head.weight": False, "model.norm.weight": False,
+             "model.layers.0.mlp.gate.weight": False, "model.layers.0.mlp.gate_proj.weight": True,
+             "decoder.layers.0.self_attention.linear_qkv.weight": True, "output_layer.weight": False,
+             "decoder.layers.0.mlp.router.weight": False, "model.layers.0.self_attn.q_proj.bias": False}
+    assert {n: fp8_param(fp8, n, (8, 8) if n.endswith("weight") else (8,)) for n in names} == names
+    assert not fp8_param(fp8, "model.layers.0.mlp.experts.gate_up_proj", (4, 8, 8))  # 3-D: bf16
+    everything = ExportCastConfig.from_value({"mode": "nearest", "format": "fp8", "fp8_exclude": ""})
+    assert fp8_param(everything, "lm_head.weight", (8, 8))
 
 
 def test_caster_steps_key_the_bits():

@@ -201,7 +201,7 @@ def test_bad_config_is_an_error_naming_the_key(export_cast, match):
 
 
 def test_fair_without_bf16_is_an_error():
-    with pytest.raises(Exception, match=r'"export_cast": mode "fair" needs "bf16": \{"enabled": true\}'):
+    with pytest.raises(Exception, match=r'"export_cast": mode "fair" \(or format "fp8"\) needs "bf16": \{"enabled": true\}'):
         run(1, export_cast=SR, steps=1, bf16=False)
 
 
@@ -360,3 +360,80 @@ def test_served_cli_writes_params_once_without_buffers(tmp_path):
                folder / "global_step1" / "mp_rank_00_model_states.pt")
     main([str(folder), str(tmp_path / "served0.safetensors")])
     assert list(load_file(tmp_path / "served0.safetensors")) == ["emb.weight"]
+
+
+# ---- FP8 served weights (format "fp8") -------------------------------------------------------------------------
+FP8 = {"error_feedback": {**EF, "format": "fp8"},
+       "dithered_block": {**DITHER, "format": "fp8", "fp8_scales": "block"},
+       "nearest_via_bf16": {"mode": "nearest", "format": "fp8", "fp8_via_bf16": True},
+       "stochastic_ue8m0": {**SR, "format": "fp8", "fp8_ue8m0": True}}
+FP8_LAYOUTS = [("stage0", 1), ("zero2", 1), ("zero1", 2), ("bf16_optimizer", 2), ("zero3", 2), ("offload2", 2),
+               ("zero2", 4), ("zero3", 4)]
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_trained(world_size, path, name):
+    return run(world_size, path=path, export_cast=FP8[name], steps=STEPS)
+
+
+@pytest.mark.parametrize("path,world", FP8_LAYOUTS)
+@pytest.mark.parametrize("name", ["error_feedback", "dithered_block"])
+def test_fp8_served_weights_are_the_single_process_reference(path, world, name):
+    """At install and after every step, on every path and DP size: the FP8 weights and scales served_weights
+    yields are the spec cast of the gathered masters on whole params (sticky scales; error feedback's FP8
+    residual carried), the same on every rank; the bf16 model is still the bf16 Fair Cast of the masters."""
+    from helpers import reference_fp8
+    records = fp8_trained(world, path, name)
+    snaps = records[0]["fp8"]
+    scale = "weight_scale_inv" if name == "dithered_block" else "weight_scale"
+    assert len(snaps) == STEPS + 1  # the Linear weights: FP8; the LayerNorm and biases: bf16
+    assert list(snaps[0]["served"]) == [n for i in (0, 3, 5) for n in (f"{i}.weight", f"{i}.{scale}")]
+    for k, (snap, ref) in enumerate(zip(snaps, reference_fp8(FP8[name], snaps))):
+        assert_same(snap["served"], ref)
+        for other in records[1:]:
+            assert_same(other["fp8"][k]["served"], ref)
+    assert all(r["mismatch"] == 0 for r in records)
+
+
+@pytest.mark.parametrize("name", ["nearest_via_bf16", "stochastic_ue8m0"])
+def test_fp8_other_casts_dp1_equals_dp2_and_the_reference(name):
+    from helpers import reference_fp8
+    one, two = fp8_trained(1, "zero2", name)[0], fp8_trained(2, "zero1", name)[0]
+    for a, b, ref in zip(one["fp8"], two["fp8"], reference_fp8(FP8[name], one["fp8"])):
+        assert_same(a["served"], ref)
+        assert_same(b["served"], ref)
+
+
+def test_fp8_deltas_rebuild_the_served_model():
+    """served_deltas with FP8: FP8 bits, scales and bf16 params, each step's deltas turning the previous served
+    model into this step's, bit for bit."""
+    rec = fp8_trained(2, "zero2", "error_feedback")[0]
+    receiver = {n: torch.zeros_like(t) for n, t in rec["served_api"].items()}
+    apply_deltas(receiver, rec["deltas"][0])
+    for k, deltas in enumerate(rec["deltas"][1:]):
+        apply_deltas(receiver, deltas)
+        want = {**rec["bf16"][k], **{n: t.reshape(-1) for n, t in rec["fp8"][k + 1]["served"].items()}}
+        assert_same({n: receiver[n] for n in want}, want)
+    assert sum(len(i) for _, i, _ in rec["deltas"][-1]) < sum(t.numel() for t in receiver.values())
+
+
+@pytest.mark.parametrize("path", ["zero2", "zero3", "stage0"])
+def test_fp8_resume_equals_uninterrupted(path, tmp_path):
+    """Save after step 3, load into a new run: the FP8 bits, scales and residuals come back, and steps 4-5 serve
+    what the uninterrupted run served."""
+    straight = fp8_trained(2, path, "error_feedback")[0]
+    run(2, path=path, export_cast=FP8["error_feedback"], steps=3, save_dir=str(tmp_path))
+    resumed = run(2, path=path, export_cast=FP8["error_feedback"], steps=2, load_dir=str(tmp_path))[0]
+    for k in range(3):
+        assert_same(resumed["fp8"][k]["served"], straight["fp8"][3 + k]["served"])
+
+
+def test_fp8_from_a_bf16_checkpoint_warns_and_casts_fresh(tmp_path, capfd):
+    from helpers import reference_fp8
+    run(2, export_cast=EF, steps=3, save_dir=str(tmp_path))
+    capfd.readouterr()
+    rec = run(2, export_cast=FP8["error_feedback"], steps=1, load_dir=str(tmp_path))[0]
+    printed = capfd.readouterr()
+    assert "the checkpoint has no FP8 export state: FP8 scales are set afresh" in printed.out + printed.err
+    for snap, ref in zip(rec["fp8"], reference_fp8(FP8["error_feedback"], rec["fp8"])):
+        assert_same(snap["served"], ref)

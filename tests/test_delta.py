@@ -72,6 +72,8 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="not contiguous"):
         apply_deltas({"w": torch.zeros(4, 4).t()}, [("w", torch.tensor([0]), torch.zeros(1))])
     with pytest.raises(TypeError, match="after must be bfloat16"):
+        diff(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.float16))
+    with pytest.raises(TypeError, match="before is torch.bfloat16, after torch.float32"):
         diff(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2))
     with pytest.raises(ValueError, match="before shape"):
         diff(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16))
@@ -80,4 +82,21 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="before shape"):
         tracker.diff("w", torch.zeros(4, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
-        DeltaTracker().diff("w", torch.zeros(3))
+        DeltaTracker().diff("w", torch.zeros(3, dtype=torch.float64))
+
+
+def test_fp8_weights_and_scales_diff_by_their_bits():
+    """FP8 served weights (format "fp8"): an E4M3 weight and its fp32 scales diff bit for bit like bf16 (a sign
+    flip of zero counts), and the deltas rebuild them."""
+    before = torch.tensor([0.0, 1.0, -2.0, 448.0]).to(torch.float8_e4m3fn)
+    after = torch.tensor([-0.0, 1.0, -2.5, 448.0]).to(torch.float8_e4m3fn)
+    index, values = diff(before, after)
+    assert index.tolist() == [0, 2] and values.dtype == torch.float8_e4m3fn
+    assert values.view(torch.uint8).tolist() == after.view(torch.uint8)[[0, 2]].tolist()
+    tracker, scales = DeltaTracker(), torch.tensor([[0.5], [0.25]])
+    tracker.diff("w_scale", scales)
+    index, values = tracker.diff("w_scale", torch.tensor([[0.5], [0.3]]))
+    assert index.tolist() == [1] and values.tolist() == [pytest.approx(0.3)]
+    target = {"w": before.clone()}
+    apply_deltas(target, [("w", *diff(before, after))])
+    assert torch.equal(target["w"].view(torch.uint8), after.view(torch.uint8))

@@ -15,6 +15,13 @@ LAYOUTS = {"fsdp1": (1, {"mesh": (1,)}), "fsdp2": (2, {"mesh": (2,)}), "fsdp4": 
 STEPS = 4  # uninterrupted; the resumes save after HALF and train the rest
 TELEMETRY = {"fsdp2": 300, "hsdp": 300, "tp": 65536}  # layout: telemetry sample (300: a stride > 1)
 HALF = 2
+#: FP8 served weights (format "fp8"): one config per method, the scale layouts and options spread over them
+FP8 = {"nearest": {"mode": "nearest", "format": "fp8"},
+       "nearest_via_bf16_block": {"mode": "nearest", "format": "fp8", "fp8_scales": "block", "fp8_via_bf16": True},
+       "stochastic_block": {"mode": "fair", "method": "stochastic", "seed": 7, "format": "fp8", "fp8_scales": "block"},
+       "dithered_ue8m0": {"mode": "fair", "method": "dithered", "seed": 7, "format": "fp8", "fp8_ue8m0": True},
+       "error_feedback": {"mode": "fair", "method": "error_feedback", "seed": 7, "format": "fp8"}}
+FP8_RESUMED = ("dithered_ue8m0", "error_feedback")
 
 
 def cfg(method):
@@ -75,6 +82,21 @@ def records(tmp_path_factory):
                  "dir": str(tmp / "nearest"), "steps": 1, "first": HALF}]
     jobs[2] += [{"id": ("fsdp2", "activated", v), "fn": "activated", "export_cast": cfg("stochastic"),
                  "explicit": cfg("dithered"), "variant": v, "steps": 3} for v in ("explicit", "split", "state_dict")]
+    # FP8 served weights: one master trajectory under every layout; a DCP save on 2 ranks resumed on 1, 2 and 4
+    for layout, (world, opts) in LAYOUTS.items():
+        jobs[world] += [{**opts, "id": (layout, "fp8", name), "fn": "fixed", "export_cast": c} for name, c in FP8.items()]
+    for name in FP8_RESUMED:
+        fp8_dir = str(tmp / f"fp8_{name}")
+        jobs[2] = [{"id": ("fsdp2", "fp8_save", name), "fn": "save_half", "export_cast": FP8[name], "steps": HALF,
+                    "dir": fp8_dir}] + jobs[2]
+        jobs[2] += [{"id": ("fsdp2", "fp8_train", name), "fn": "train", "export_cast": FP8[name], "steps": STEPS,
+                     "telemetry": 300}]
+        for layout in ("fsdp1", "fsdp2", "fsdp4"):
+            jobs[LAYOUTS[layout][0]].append({**LAYOUTS[layout][1], "id": (layout, "fp8_resume", name), "fn": "resume",
+                                             "export_cast": FP8[name], "dir": fp8_dir, "steps": STEPS - HALF,
+                                             "first": HALF})
+    jobs[2].append({"id": ("fsdp2", "fp8_from_bf16"), "fn": "resume", "export_cast": FP8["error_feedback"],
+                    "dir": saves["error_feedback"], "steps": 1, "first": HALF})
     out = {}
     for world in (2, 4, 1):
         for job, record in zip(jobs[world], fsdp_worker.run(world, jobs[world])):
@@ -351,3 +373,71 @@ def test_a_model_without_fully_shard_and_a_bad_config_are_errors_naming_them():
         fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), config="fair")
     with pytest.raises(ValueError, match="unknown key"):
         fsdp_hooks.install(model, torch.optim.AdamW(model.parameters()), config={"mode": "fair", "metod": "stochastic"})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_served_weights_are_the_single_process_reference_under_every_layout(name, layout, records):
+    """FP8 served weights (format "fp8"): one master trajectory exported under FSDP 1/2/4, HSDP 2x2, FSDP + TP 2x2
+    (rowwise ``down``: each channel spans the TP ranks), a grouped fully_shard and AC wrappers gives the bits and
+    scales of the spec cast on the whole params (sticky scales, rescaled as the masters grow); the other params
+    are served as bf16 with the method's bf16 cast."""
+    from helpers import reference_fp8
+    exports = get(records, layout, "fp8", name)["exports"]
+    config = ExportCastConfig.from_value(FP8[name])
+    for k, (snap, ref) in enumerate(zip(exports, reference_fp8(config, exports))):
+        fp8 = {n: t for n, t in snap["served"].items() if n in ref}
+        assert_same(fp8, ref, f"{layout} {name} export {k}")
+        bf16 = {n: t for n, t in snap["served"].items() if n not in ref}
+        assert {n: t.dtype for n, t in bf16.items()} == {n: torch.bfloat16 for n in bf16}
+        assert sorted(bf16) == sorted(n for n in snap["masters"] if n not in ref), "every other param, as bf16"
+    if layout == "fsdp1" and not config.fp8_ue8m0:  # the masters grow 0.1-0.3% per export: maxima outgrow their
+        scales = [{n: t for n, t in r.items() if "scale" in n} for r in reference_fp8(config, exports)]  # scales
+        assert sum(int((a[n] != b[n]).sum()) for a, b in zip(scales, scales[1:]) for n in a) > 0
+
+
+def test_fp8_served_weights_yield_each_weight_then_its_scales_in_model_order(records):
+    snap = get(records, "fsdp2", "fp8", "error_feedback")["exports"][0]
+    names = list(snap["served"])
+    assert names[names.index("blocks.0.up.weight") + 1] == "blocks.0.up.weight_scale"
+    assert snap["served"]["blocks.0.up.weight"].dtype == torch.float8_e4m3fn
+    assert snap["served"]["blocks.0.up.weight_scale"].shape == (38, 1)
+    assert snap["served"]["blocks.0.norm.weight"].dtype == torch.bfloat16  # norms stay bf16
+    block = get(records, "fsdp2", "fp8", "stochastic_block")["exports"][0]["served"]
+    assert block["blocks.0.up.weight_scale_inv"].shape == (1, 1)
+
+
+@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2", "fsdp4"])
+@pytest.mark.parametrize("name", FP8_RESUMED)
+def test_fp8_dcp_resume_equals_uninterrupted(name, layout, records):
+    """Save at step 2 on 2 ranks, load on 1, 2 or 4: the FP8 bits, sticky scales, bf16 weights, masters and
+    residuals follow the uninterrupted run bit for bit (the scales and, for error feedback, the FP8 residual are
+    checkpointed; a scale set afresh after the load would differ)."""
+    straight = get(records, "fsdp2", "fp8_train", name)
+    resumed = get(records, layout, "fp8_resume", name)
+    assert resumed["warnings"] == []
+    for k, snap in enumerate(resumed["steps"] + [resumed["final"]]):
+        want = (straight["steps"] + [straight["final"]])[HALF + k]
+        assert snap["step"] == want["step"]
+        for what in ("masters", "served") + (("residual",) if name == "error_feedback" else ()):
+            assert_same(snap[what], want[what], f"{what} at step {want['step']}")
+
+
+@pytest.mark.parametrize("name", FP8_RESUMED)
+def test_fp8_telemetry_counts_the_rescales(name, records):
+    """``export_cast/fp8_rescales`` at each step is the number of scales the reference set again at that export."""
+    from helpers import reference_fp8
+    steps = get(records, "fsdp2", "fp8_train", name)["steps"]
+    ref = reference_fp8(ExportCastConfig.from_value(FP8[name]), steps)
+    counts = [sum(int((a[n] != b[n]).sum()) for n in a if "scale" in n) for a, b in zip(ref, ref[1:])]
+    assert [s["drift"]["export_cast/fp8_rescales"] for s in steps[1:]] == counts
+    assert steps[0]["drift"]["export_cast/fp8_rescales"] == 0  # the first export sets every scale: no rescale
+
+
+def test_fp8_from_a_bf16_checkpoint_warns_and_sets_scales_afresh(records):
+    rec = get(records, "fsdp2", "fp8_from_bf16")
+    assert any("no FP8 export state" in w for w in rec["warnings"]), rec["warnings"]
+    from helpers import reference_fp8
+    snap = rec["steps"][0]  # the FP8 export cast at the load: fresh scales, zero FP8 residuals
+    (ref,) = reference_fp8(ExportCastConfig.from_value(FP8["error_feedback"]), [snap])
+    assert_same({n: t for n, t in snap["served"].items() if n in ref}, ref, "FP8 after a bf16 checkpoint")

@@ -27,9 +27,13 @@ EF = {"mode": "fair", "method": "error-feedback"}
 DITHER = {"mode": "fair", "method": "dithered", "seed": 7}
 METHODS = {"stochastic": SR, "error_feedback": EF, "dithered": DITHER}
 SAVE_AFTER, STEPS = 2, 4  # resume runs: save after 2 steps, compare steps 3 and 4
+# FP8 served weights (format "fp8"; Megatron: channel scales)
+FP8 = {"error_feedback": {**EF, "format": "fp8"}, "dithered": {**DITHER, "format": "fp8"},
+       "nearest_via_bf16": {"mode": "nearest", "format": "fp8", "fp8_via_bf16": True},
+       "stochastic_ue8m0": {**SR, "format": "fp8", "fp8_ue8m0": True}}
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
-CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef", "vpp_ef", "cp_ef", "stock")}
+CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef", "vpp_ef", "cp_ef", "stock", "fp8_error_feedback", "fp8_dithered")}
 
 # (TP, PP, DP, DistributedOptimizer)
 LAYOUTS = [(1, 1, 1, True), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, True), (1, 1, 2, False),
@@ -82,6 +86,12 @@ def _jobs(layout):
     distopt = layout[3]
     jobs = {f"{m}_fixed": dict(export_cast=c, distopt=distopt, set_state=5, exports=3) for m, c in METHODS.items()}
     jobs.update({f"{m}_train": dict(export_cast=c, distopt=distopt, steps=2) for m, c in METHODS.items()})
+    jobs.update({f"fp8_{m}_fixed": dict(export_cast=c, distopt=distopt, set_state=5, exports=2)
+                 for m, c in FP8.items() if m in FP8_FIXED or layout == (1, 1, 1, True)})
+    if layout == (1, 1, 2, True):  # FP8 checkpoints, resumed in resume_run(1, 1, 2) and (2, 1, 1)
+        jobs.update({f"fp8_{m}": dict(export_cast=FP8[m], distopt=True, steps=STEPS, save=CKPT[f"fp8_{m}"],
+                                      save_after=SAVE_AFTER, sharding="fully_reshardable")
+                     for m in ("error_feedback", "dithered")})
     for moe in MOE_LAYOUTS:  # the MoE layouts that share this launch (before any activate())
         if moe[:4] == layout:
             jobs.update(_moe_jobs(moe))
@@ -169,8 +179,16 @@ RESUMES = {
     (2, 1, 1): {"full_ef": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable")},
     (1, 2, 1): {"f16_ef_dp2_to_pp2": _resume("f16_ef", export_cast=EF, distopt=False)},
 }
+FP8_FIXED = ("error_feedback", "dithered")  # on every layout; the other FP8 casts on (1, 1, 1) only
+RESUMES[(1, 1, 2)].update({f"fp8_{m}": _resume(f"fp8_{m}", export_cast=FP8[m], distopt=True,
+                                               sharding="fully_reshardable") for m in FP8_FIXED})
+RESUMES[(1, 1, 2)]["fp8_from_bf16"] = _resume("dp_ef", export_cast=FP8["error_feedback"], distopt=True,
+                                              sharding="dp_reshardable")
+RESUMES[(2, 1, 1)]["fp8_error_feedback_tp2"] = _resume("fp8_error_feedback", export_cast=FP8["error_feedback"],
+                                                       distopt=True, sharding="fully_reshardable")
 MOE_SAVED_BY = (1, 1, 2, True, 2, 1)
 SAVED_BY = {"dp_ef": (1, 1, 2, True), "dp_sr": (1, 1, 2, True), "full_ef": (2, 1, 1, True),
+            "fp8_error_feedback": (1, 1, 2, True), "fp8_dithered": (1, 1, 2, True),
             "f16_ef": (1, 1, 2, False), "overlap_ef": (1, 1, 2, True), "moe_ef": MOE_SAVED_BY}
 
 
@@ -633,3 +651,56 @@ def test_megatron_lm_logs_drift_at_tensorboard_log_interval_to_tensorboard_and_w
     for off in ("lm_no_writer", "lm_flag_off"):  # nothing measured, nothing written
         assert records[off]["written"] == [] and records[off]["drift_on"] == [False], off
     assert records["lm_flag_off"]["installed"] == ["DistributedOptimizer"]  # Fair Cast itself stays on
+
+
+# -- FP8 served weights ------------------------------------------------------------------------------
+def _fp8_check(record, name):
+    from faircast_dist import ExportCastConfig
+    from helpers import reference_fp8
+    assert "error" not in record, record.get("error")
+    snaps = record["fp8"]
+    assert snaps and all(s["served"] for s in snaps)
+    for k, (snap, ref) in enumerate(zip(snaps, reference_fp8(ExportCastConfig.from_value(FP8[name]), snaps))):
+        assert_same(snap["served"], ref, f"FP8 served weights, export {k}")
+
+
+@pytest.mark.parametrize("layout", [l for l in LAYOUTS if l not in BIG] + [pytest.param(l, marks=pytest.mark.slow)
+                                                                          for l in LAYOUTS if l in BIG], ids=layout_id)
+@pytest.mark.parametrize("name", FP8_FIXED)
+def test_fp8_served_weights_are_the_single_process_reference(name, layout):
+    """FP8 served weights under TP (row-parallel ``linear_proj`` / ``fc2``: each channel spans the TP ranks), PP,
+    DP, DistributedOptimizer (flat ranges cut rows) and the Float16 optimizer: at install and after each export
+    of one preset master state, served_weights' FP8 params and scales are the spec cast of the whole gathered
+    masters (sticky scales, the FP8 residual carried); the bf16 params' exports still pass their check."""
+    record = layout_run(layout)[f"fp8_{name}_fixed"]
+    _fp8_check(record, name)
+    assert record["mismatch"] == 0
+    names = list(record["fp8"][0]["served"])
+    assert "decoder.layers.0.self_attention.linear_qkv.weight_scale" in names
+    assert not any("embedding" in n or "output_layer" in n or "norm" in n for n in names)
+
+
+@pytest.mark.parametrize("name", [n for n in FP8 if n not in FP8_FIXED])
+def test_fp8_other_casts_are_the_reference(name):
+    _fp8_check(layout_run((1, 1, 1, True))[f"fp8_{name}_fixed"], name)
+
+
+@pytest.mark.parametrize("name", FP8_FIXED)
+def test_fp8_resume_equals_uninterrupted(name):
+    """Save after 2 steps (DP 2, fully reshardable), load at DP 2: the FP8 bits and scales served after the load and
+    after steps 3 and 4 are the uninterrupted run's."""
+    straight = layout_run(SAVED_BY[f"fp8_{name}"])[f"fp8_{name}"]
+    resumed = resume_run(1, 1, 2)[f"fp8_{name}"]
+    _check_resume_is_uninterrupted(straight, resumed)
+    for k, snap in enumerate(resumed["fp8"]):
+        assert_same(snap["served"], straight["fp8"][SAVE_AFTER + k]["served"], f"FP8 at step {SAVE_AFTER + k}")
+
+
+def test_fp8_checkpoint_resumes_at_tp2_and_a_bf16_one_sets_scales_afresh():
+    straight = layout_run(SAVED_BY["fp8_error_feedback"])["fp8_error_feedback"]
+    tp2 = resume_run(2, 1, 1)["fp8_error_feedback_tp2"]
+    assert "error" not in tp2, tp2.get("error")
+    assert_same(tp2["fp8"][0]["served"], straight["fp8"][SAVE_AFTER]["served"], "loaded at TP 2")
+    # (TP changes the fp32 sums: the steps after the reshard are not the TP 1 run's)
+    fresh = resume_run(1, 1, 2)["fp8_from_bf16"]
+    _fp8_check(fresh, "error_feedback")  # scales set afresh at the load, FP8 residuals from zero: the reference

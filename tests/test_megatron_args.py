@@ -34,6 +34,20 @@ def test_flags_parse_into_the_shared_config(flag, method):
     assert config_from_args(args) == ExportCastConfig(mode="fair", method=method, seed=7)
 
 
+def test_fp8_flags_parse_into_the_shared_config_and_name_themselves():
+    parser = add_export_cast_args(megatron_like_parser())
+    args = parser.parse_args("--bf16 --export-cast nearest --export-cast-format fp8 --export-cast-fp8-via-bf16 "
+                             "--export-cast-fp8-ue8m0 --export-cast-fp8-exclude output_layer".split())
+    assert config_from_args(args) == ExportCastConfig(mode="nearest", format="fp8", fp8_via_bf16=True,
+                                                      fp8_ue8m0=True, fp8_exclude="output_layer")
+    assert config_from_args(args).enabled  # the stacks' FP8 rounding is served too: Fair Cast installs
+    with pytest.raises(ValueError, match="--export-cast-fp8-via-bf16: .*round-to-nearest"):
+        config_from_args(parser.parse_args("--bf16 --export-cast fair --export-cast-format fp8 "
+                                           "--export-cast-fp8-via-bf16".split()))
+    with pytest.raises(SystemExit):  # 128x128 blocks: not on Megatron (its fused linear_qkv interleaves q/k/v)
+        parser.parse_args("--export-cast-fp8-scales block".split())
+
+
 def test_provider_chains_with_a_scripts_own_provider_and_is_idempotent():
     def own(parser):
         parser.add_argument("--my-flag", type=int, default=3)

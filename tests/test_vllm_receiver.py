@@ -161,11 +161,13 @@ def test_experts_the_kernel_pads_are_refused_naming_the_layer(arch_report):
 @pytest.mark.slow
 def test_an_fp8_engine_serves_exactly_the_fp8_bytes_and_scales_sent(arch_report):
     """A compressed-tensors FP8 per-channel engine: the receiver reads its FP8 weights and fp32 scales as stored
-    (== the checkpoint file's bytes), takes a full update (dithered FP8, sticky scales) and an FP8 delta, verified;
-    vLLM's log-probs follow an fp32 forward of q * scale (its activations are quantized to FP8 per token, hence
-    ~0.3-0.5 here, against > 3 from the old weights)."""
+    (== the checkpoint file's bytes), takes a full update and, after a training step, the deltas, both from an
+    FSDP2 trainer whose Fair Cast serves dithered FP8 (``format "fp8"``: fsdp_hooks.served_weights /
+    served_deltas), verified; vLLM's log-probs follow an fp32 forward of q * scale (its activations are quantized
+    to FP8 per token, hence ~0.3-0.5 here, against > 3 from the old weights)."""
     r = arch_report["fp8"]
     assert r["names_match"] and r["start_bytes_exact"], r
+    assert r["trainer_fp8"] and r["delta_fp8_elements"] > 0, r  # the trainer serves the engine's FP8 params
     assert r["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"], r
     assert r["sparse_possible"] is False  # FP8 weights are held transposed: deltas rewrite whole layers
     assert r["start_vs_hf"] < 0.75 and r["full_new"] < 0.75 and r["full_old"] > 3.0, r

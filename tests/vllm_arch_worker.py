@@ -226,6 +226,27 @@ def fp8_served(master: dict[str, torch.Tensor], previous: dict | None, key=None)
     return out
 
 
+def fp8_trainer():
+    """A one-rank FSDP2 trainer (gloo) of a Llama whose fp32 masters are not the engine's, with Fair Cast serving
+    dithered FP8 per-channel weights (``format "fp8"``): ``(model, AdamW)``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    import fsdp_hooks
+    from helpers import free_port
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    model = hf_model("LlamaForCausalLM", 1).train()
+    mesh, policy = init_device_mesh("cpu", (1,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fsdp_hooks.install(model, optimizer, config={"mode": "fair", "method": "dithered", "seed": 0, "format": "fp8"})
+    return model, optimizer
+
+
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -242,10 +263,10 @@ def dequantized(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def fp8_run(tmp: str) -> dict:
     """An FP8 per-channel engine (compressed-tensors checkpoint made by the spec's round-to-nearest): the
-    receiver reads its FP8 bytes and scales exactly, takes a full update (dithered FP8 of other masters, sticky
-    scales) and an FP8 delta, each verified, and vLLM's log-probs follow an fp32 forward of q * scale."""
+    receiver reads its FP8 bytes and scales exactly, takes a full update and a step's deltas from an FSDP2
+    trainer serving dithered FP8 (:func:`fp8_trainer`), each verified, and vLLM's log-probs follow an fp32
+    forward of q * scale."""
     from safetensors.torch import save_file
-    from faircast_dist.philox import derive_dither_key
     from vllm_receiver import VllmReceiver
     path = os.path.join(tmp, "fp8")
     model = hf_model("LlamaForCausalLM", 0)  # the fp32 reference forward: holds whatever weights it is given
@@ -268,26 +289,31 @@ def fp8_run(tmp: str) -> dict:
                "sparse_possible": receiver.sparse_deltas,
                "start_vs_hf": gap(vllm_logprobs(llm), hf_logprobs(model, dequantized(w)))}
         old = hf_logprobs(model, dequantized(w))
-        master = {n: t.float() for n, t in hf_model("LlamaForCausalLM", 1).state_dict().items()}
-        key = lambda name: derive_dither_key(0, name)  # noqa: E731
-        new = fp8_served(master, dict(w), key)
+        # the trainer: an FSDP2 model of other fp32 masters with Fair Cast serving dithered FP8 (format "fp8")
+        trainer, optimizer = fp8_trainer()
+        import fsdp_hooks
+        from faircast_dist.delta import DeltaTracker
+        tracker = DeltaTracker()
+        new = dict(fsdp_hooks.served_weights(trainer))
+        for n, t in new.items():  # the tracker's baseline: what the full update sends
+            tracker.diff(n, t)
+        rep["trainer_fp8"] = sorted(n for n, t in new.items() if t.dtype == torch.float8_e4m3fn) == \
+            sorted(n for n, t in w.items() if t.dtype == torch.float8_e4m3fn)
         receiver.load(new.items())
         rep["full_verified"] = receiver.verify()
         now = vllm_logprobs(llm)
         rep["full_new"], rep["full_old"] = gap(now, hf_logprobs(model, dequantized(w))), gap(now, old)
         receiver.load(list(w.items()))
         rep["identical_reload_bitwise"] = torch.equal(vllm_logprobs(llm), now)
-        # the next step's masters: a small update; the FP8 delta is the elements whose served bits changed
-        g = torch.Generator().manual_seed(11)
-        master = {n: t + 0.02 * t.std() * torch.randn(t.shape, generator=g) for n, t in master.items()}
-        step = fp8_served(master, dict(w), key)
-        deltas = []
-        for n, t in step.items():
-            index = (as_bits(t) != as_bits(w[n])).reshape(-1).nonzero().flatten()
-            if index.numel():
-                deltas.append((n, index.to(torch.int32), t.reshape(-1)[index]))
+        # one training step; the trainer's served deltas (FP8 bytes, fp32 scales, bf16) since the full update
+        tokens = torch.tensor(PROMPTS)
+        trainer(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        deltas = list(fsdp_hooks.served_deltas(trainer, tracker))
+        step = dict(fsdp_hooks.served_weights(trainer))
         rep["delta_changed"] = receiver.apply(deltas)
-        rep["delta_scales_changed"] = sum(1 for n, *_ in deltas if n.endswith("_scale"))
+        rep["delta_fp8_elements"] = sum(len(i) for n, i, v in deltas if v.dtype == torch.float8_e4m3fn)
+        rep["delta_scales_changed"] = sum(len(i) for n, i, _ in deltas if n.endswith("_scale"))
         rep["delta_copy_as_sent"] = all(same_bits(w[n], t) for n, t in step.items())
         rep["delta_verified"] = receiver.verify()
         rep["stored"] = sorted({n.rpartition(".")[2] + ":" + str(w[n].dtype) for n in receiver.layout["stored"]})
