@@ -313,6 +313,7 @@ def finish_load(engine, tag_dir: str, meta: dict | None, optimizer_loaded: bool,
     if step is None:
         warn(f"{tag_dir} has no export step (written without Fair Cast?): it starts at 0")
     export.caster.step = int(step or 0)
+    export.fp8_afresh()  # format "fp8": the FP8 copy of the loaded masters, scales set afresh
     logger.info(f"export cast: loaded without optimizer state: masters set to the served bf16 values, residuals "
                 f"at zero, export step {export.caster.step}")
 

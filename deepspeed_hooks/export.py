@@ -290,7 +290,11 @@ class OptimizerExport:
 
     @torch.no_grad()
     def snapshot_served(self) -> None:
-        """Put the bf16 values served now into each group's state (before a checkpoint save)."""
+        """Put the bf16 values served now into each group's state (before a checkpoint save); nothing before the
+        base optimizer's first step (entries in its empty state would stop torch's optimizers from creating
+        theirs: such a checkpoint is loaded as one without Fair Cast state, at export step 0)."""
+        if not any(self.optimizer.optimizer.state.get(hp) for hp, _ in self.groups()):
+            return
         for hp, fragments in self.groups():
             served = torch.zeros(hp.numel(), dtype=torch.bfloat16, device=hp.device)
             for f in fragments:
@@ -348,7 +352,8 @@ class OptimizerExport:
             raise ValueError(f"export cast: param groups disagree on {STEP_KEY}: {sorted(map(str, steps))}")
         (step,) = steps
         if step is None:
-            warn("the checkpoint has no export-cast state (written without Fair Cast?): export step starts at 0"
+            warn("the checkpoint has no export-cast state (written without Fair Cast, or before the first step?): export "
+                 "step starts at 0"
                  + (", residuals at zero" if self.caster.method.needs_residual else ""))
         self.caster.step = int(step or 0)
         dtype = RESIDUAL_DTYPES[self.caster.config.residual_dtype]
@@ -400,19 +405,33 @@ class OptimizerExport:
             return
         saved = [self.group_state(hp) for hp, _ in groups]
         scales = next((st[FP8_SCALES_KEY] for st in saved if st.get(FP8_SCALES_KEY) is not None), None)
-        if scales is not None and all(st.get(k) is not None for st in saved for k in keys):
-            self.state.fp8.load_scales(scales)
-            for i, st in enumerate(saved):
-                self.state.fp8_outs[i] = st.pop(FP8_KEY).to(torch.uint8).reshape(-1)
-                if ef:
-                    self.state.fp8_residuals[i] = st.pop(FP8_RESIDUAL_KEY).float().reshape(-1)
-                st.pop(FP8_SCALES_KEY, None)
+        if scales is None or any(st.get(FP8_KEY) is None for st in saved):
+            warn("the checkpoint has no FP8 export state: FP8 scales are set afresh and the FP8 served copy cast "
+                 "from the loaded masters" + (", FP8 residuals start at zero" if ef else ""))
+            self.fp8_afresh()
             return
-        warn("the checkpoint has no FP8 export state: FP8 scales are set afresh and the FP8 served copy cast "
-             "from the loaded masters" + (", FP8 residuals start at zero" if ef else ""))
-        for st in saved:
+        self.state.fp8.load_scales(scales)
+        self.state.fp8_residuals.clear()
+        zeroed = False
+        for i, st in enumerate(saved):
+            self.state.fp8_outs[i] = st.pop(FP8_KEY).to(torch.uint8).reshape(-1)
+            residual = st.pop(FP8_RESIDUAL_KEY, None)
+            if ef and residual is not None:
+                self.state.fp8_residuals[i] = residual.float().reshape(-1)
+            zeroed |= ef and residual is None  # created as zeros by fp8_shards
+            st.pop(FP8_SCALES_KEY, None)
+        if zeroed:
+            warn("the checkpoint has no FP8 error-feedback residuals (written with another method): they start at "
+                 "zero; its FP8 scales are kept")
+
+    def fp8_afresh(self) -> None:
+        """``format "fp8"``: forget the FP8 state (scales, bits, residuals) and cast the FP8 copy of the masters now,
+        at the last export's step, with fresh scales (collective): after a load that brought no FP8 state."""
+        if self.state.fp8 is None:
+            return
+        for hp, _ in self.groups():
             for key in (FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY):
-                st.pop(key, None)
+                self.optimizer.optimizer.state.get(hp, {}).pop(key, None)
         self.state.fp8.scales = {}
         self.state.fp8_outs.clear(), self.state.fp8_residuals.clear()
         self.export_fp8(step=max(self.caster.step - 1, 0))

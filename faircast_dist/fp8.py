@@ -290,8 +290,9 @@ class Fp8Export:
         """Adopt checkpointed scales (``{name: float32 tensor}``, what :attr:`scales` held).
 
         Raises:
-            ValueError: a scale tensor of the wrong shape for its param's layout (named), or missing scales for some
-                FP8 params while others have them (another ``fp8_exclude`` or model: named).
+            ValueError: a scale tensor of the wrong shape for its param's layout (named), missing scales for some
+                FP8 params while others have them (another ``fp8_exclude`` or model: named), or scales that are not
+                powers of two under ``fp8_ue8m0`` (the bits were cast with them; sticky, they would stay).
         """
         missing = sorted(set(self.shapes) - set(scales))
         if scales and missing:
@@ -305,4 +306,10 @@ class Fp8Export:
                     raise ValueError(f"export_cast FP8: saved scales of {name!r} have shape {tuple(scales[name].shape)}, "
                                      f"fp8_scales {self.layout.granularity!r} needs {want}")
                 loaded[name] = scales[name].float().clone()
+                if self.layout.ue8m0:
+                    t = loaded[name]
+                    mantissa, _ = torch.frexp(t)
+                    if bool((torch.isfinite(t) & (t > 0) & (mantissa != 0.5)).any()):
+                        raise ValueError(f"export_cast FP8: the checkpoint's scales of {name!r} are not powers of two "
+                                         "but fp8_ue8m0 is set: load it with the fp8_ue8m0 it was saved with")
         self.scales = loaded

@@ -94,6 +94,8 @@ def _adopt(ex, state: dict, saved_residuals: bool) -> None:
             ex.state.export_fp8(ex.shards(), ex.reduce_max)
         ex.loaded()
     else:
+        for residual in ex.state.fp8_residuals.values():  # error feedback now, none saved: from zero
+            residual.zero_()
         ex.invalidate()
 
 
@@ -154,6 +156,9 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     ours = ExportCastState(model)
     request = {k: v for k, v in ours.state_dict().items()
                if any(s == f"{KEY}.{k}" or s.startswith(f"{KEY}.{k}.") for s in saved)}
+    for k, v in request.items():  # per-param entries: only those saved (FP8 with another fp8_exclude: named by
+        if isinstance(v, dict):   # load_scales rather than by DCP's missing key)
+            request[k] = {n: t for n, t in v.items() if f"{KEY}.{k}.{n}" in saved}
     if request:
         state[KEY] = request
     dcp.load(state, checkpoint_id=checkpoint_id)

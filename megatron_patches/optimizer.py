@@ -504,8 +504,8 @@ def check_config(config, where: str = "OptimizerConfig") -> None:
         raise ValueError(f"--export-cast fair needs --bf16, but fp16=True (--fp16) in {where}: "
                          "the model params would be fp16, which Fair Cast does not produce")
     if not getattr(config, "bf16", False):
-        raise ValueError(f"--export-cast fair needs --bf16 (bf16 model params with fp32 masters); "
-                         f"bf16=False in {where}")
+        raise ValueError(f"--export-cast fair needs --bf16 (bf16 model params with fp32 masters; also "
+                         f"--export-cast-format fp8, which serves FP8 beside them); bf16=False in {where}")
     if compat.uses_precision_aware_optimizer(config):
         raise ValueError(
             f"--export-cast fair cannot be used with --use-precision-aware-optimizer ({where}."

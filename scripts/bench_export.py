@@ -11,9 +11,12 @@ buffer (the stock round to nearest), the plain-torch reference stochastic roundi
 feedback (faircast_dist.rounding), the fused kernels (faircast_dist.fused: SR, EF with an fp32
 and a bf16 residual; SR of the same elements cut into ``--tensors`` tensors, in one multi-tensor
 call and in one call per tensor), and torchao's ``_fp32_to_bf16_sr`` when torchao imports (bench only; it is
-in no extra). Each row: median ms over ``--repeat`` runs, GB/s of the bytes the cast must move
-(SR/nearest: read 4 + write 2 B per element; EF: + read and write the residual, 4 or 2 B each),
-and the ratio to ``copy_``. On a shared machine timings are noisy: compare ratios within one run.
+in no extra). FP8 E4M3 (``"format": "fp8"``): the plain-torch spec casts (faircast_dist.rounding: nearest, SR,
+EF, given per-element scales) and a whole FP8 export of one ``[numel / 1024, 1024]`` weight with channel
+scales (absmax, sticky scales, dithered cast: ``ExportState.export_fp8``); no fused FP8 kernel exists yet.
+Each row: median ms over ``--repeat`` runs, GB/s of the bytes the cast must move
+(SR/nearest: read 4 + write 2 B per element, FP8 write 1 B; EF: + read and write the residual, 4 or 2 B
+each), and the ratio to ``copy_``. On a shared machine timings are noisy: compare ratios within one run.
 
 With ``--check-bits`` (default on a non-CPU device) it first casts ``--check-numel`` random fp32
 bit patterns with contiguous and scattered indices on the device and on the CPU (reference) and
@@ -29,7 +32,8 @@ import time
 import torch
 
 from faircast_dist import derive_key, fused
-from faircast_dist.rounding import cast_error_feedback, cast_nearest, cast_stochastic  # the plain-torch reference
+from faircast_dist.rounding import (cast_error_feedback, cast_fp8_error_feedback, cast_fp8_nearest,  # the plain-
+                                    cast_fp8_stochastic, cast_nearest, cast_stochastic)  # torch reference
 
 
 def sync(device):
@@ -106,7 +110,26 @@ def cases(device: torch.device, numel: int, tensors: int):
     ao = torchao_sr()
     if ao is not None:
         run["torchao SR"] = (lambda: ao(master), 6)
+    run.update(fp8_cases(master, key, res32))
     return run
+
+
+def fp8_cases(master: torch.Tensor, key, residual: torch.Tensor) -> dict:
+    """The FP8 rows (spec casts with per-element channel scales; a whole dithered FP8 export)."""
+    from faircast_dist.export import ExportState, Shard
+    from faircast_dist.fp8 import Fp8Layout, element_scales, partial_absmax
+    numel = master.numel() // 1024 * 1024
+    x, shape = master[:numel], (numel // 1024, 1024)
+    layout = Fp8Layout("channel")
+    index = layout.scale_index(shape, 0, numel, device=x.device)
+    scale = element_scales(layout.scales(partial_absmax(x, index, shape[0])), index)
+    state = ExportState({"mode": "fair", "method": "dithered", "format": "fp8"}, shapes={"w.weight": shape})
+    shard = Shard("w.weight", x, torch.empty(numel, dtype=torch.bfloat16, device=x.device),
+                  [("w.weight", 0, numel, 0)])
+    return {"FP8 nearest (spec)": (lambda: cast_fp8_nearest(x, scale), 5),
+            "FP8 SR (spec)": (lambda: cast_fp8_stochastic(x, scale, key, 0), 5),
+            "FP8 EF (spec)": (lambda: cast_fp8_error_feedback(x, scale, residual[:numel]), 13),
+            "FP8 export, dithered, channel scales": (lambda: state.export_fp8([shard], None), 5)}
 
 
 def bench(device: torch.device, numel: int, repeat: int, tensors: int = 0, clock=time.perf_counter) -> list[dict]:

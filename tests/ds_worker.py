@@ -149,7 +149,7 @@ def _worker(rank, world_size, port, opts, out_path):
                                     sample=opts["monitor_sample"])
     first = 0
     if opts["load_dir"]:
-        engine.load_checkpoint(opts["load_dir"], tag=opts["load_tag"])
+        engine.load_checkpoint(opts["load_dir"], tag=opts["load_tag"], load_module_only=opts["module_only"])
         first = engine.global_steps
     record = {"bf16": [], "master": [], "residual": [], "rtn_differs": 0, "mismatch": 0, "master_copies": 0,
               "optimizer": type(engine.optimizer).__name__, "restored": restored}
@@ -263,7 +263,7 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
         monitor_sample: int | None = None, zero_extra: dict | None = None, save_final: bool = True,
         device: str = "cpu", uninstall: bool = False, reference: bool = False,
-        offload_states: bool = False, fused_adam: bool = False) -> list[dict]:
+        offload_states: bool = False, fused_adam: bool = False, module_only: bool = False) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
@@ -279,13 +279,14 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
     config, as TRL does, and run it forward every step (``record["reference"]``).
     ``offload_states``: ``engine.offload_states()`` then ``reload_states()`` before the second step
     (ZeRO-3 supports it with ``fused_adam``: DeepSpeed's FusedAdam instead of torch's AdamW).
+    ``module_only``: load ``load_dir`` with ``load_module_only=True`` (the model, no optimizer state).
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
                 save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
                 monitor_sample=monitor_sample, zero_extra=zero_extra, save_final=save_final, device=device,
                 uninstall=uninstall, reference=reference, offload_states=offload_states,
-                fused_adam=fused_adam)
+                fused_adam=fused_adam, module_only=module_only)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         for attempt in range(3):

@@ -41,11 +41,13 @@ def logged_warnings():
         log.removeHandler(handler)
 
 
-def reference_fp8(config, snapshots) -> list[dict]:
+def reference_fp8(config, snapshots, scales: dict | None = None) -> list[dict]:
     """The single-process reference of FP8 served weights (``format "fp8"``), from the spec functions on whole
     params: per snapshot (``{"step": int, "masters": {name: full fp32 master}}``, one per export, in order), the
     sticky scales from each whole tensor's absmax and the cast of each FP8 param; error feedback carries its fp32
     residual from export to export (zero at the first).
+
+    ``scales``: ``{param name: float32 scales}`` kept before the first snapshot (a loaded checkpoint's), else none.
 
     Returns:
         per snapshot ``{name: float8_e4m3fn weight, scale name: float32 scales}`` of the FP8 params.
@@ -54,7 +56,7 @@ def reference_fp8(config, snapshots) -> list[dict]:
     config = ExportCastConfig.from_value(config)
     caster = FairCaster(config)
     layout = fp8.Fp8Layout(config.fp8_scales, config.fp8_ue8m0)
-    scales, residual, out = {}, {}, []
+    scales, residual, out = dict(scales or {}), {}, []
     for snap in snapshots:
         caster.step = snap["step"]
         served = {}

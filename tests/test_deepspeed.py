@@ -437,3 +437,27 @@ def test_fp8_from_a_bf16_checkpoint_warns_and_casts_fresh(tmp_path, capfd):
     assert "the checkpoint has no FP8 export state: FP8 scales are set afresh" in printed.out + printed.err
     for snap, ref in zip(rec["fp8"], reference_fp8(FP8["error_feedback"], rec["fp8"])):
         assert_same(snap["served"], ref)
+
+
+def test_fp8_module_only_load_casts_the_loaded_masters_afresh(tmp_path):
+    """load_module_only: the masters become the loaded bf16 model; the FP8 copy is cast from them with scales set
+    afresh (not left serving the untrained model's FP8)."""
+    from helpers import reference_fp8
+    run(2, export_cast=FP8["nearest_via_bf16"], steps=3, save_dir=str(tmp_path))
+    rec = run(2, export_cast=FP8["nearest_via_bf16"], steps=1, load_dir=str(tmp_path), module_only=True)[0]
+    for snap, ref in zip(rec["fp8"], reference_fp8(FP8["nearest_via_bf16"], rec["fp8"])):
+        assert_same(snap["served"], ref)
+
+
+@pytest.mark.parametrize("export_cast", [FP8["error_feedback"], EF], ids=["fp8", "bf16"])
+def test_a_checkpoint_saved_before_the_first_step_trains_and_resumes(export_cast, tmp_path):
+    """Saving before the first step wrote Fair Cast entries into the base optimizer's empty state, so AdamW never
+    created its own (KeyError 'exp_avg' at the next step, 'step' after a load): nothing is written then."""
+    saved = run(2, export_cast=export_cast, steps=2, save_dir=str(tmp_path), save_at=(0,), save_final=False)[0]
+    assert saved["mismatch"] == 0
+    resumed = run(2, export_cast=export_cast, steps=2, load_dir=str(tmp_path))[0]
+    assert resumed["mismatch"] == 0
+    for k in range(2):
+        assert_same(resumed["bf16"][k], saved["bf16"][k])
+        if "fp8" in saved:
+            assert_same(resumed["fp8"][k + 1]["served"], saved["fp8"][k + 1]["served"])

@@ -230,3 +230,20 @@ def test_bad_input():
         cast_fp8_nearest(torch.ones(4, dtype=torch.bfloat16), torch.ones(4))
     with pytest.raises(ValueError, match="residual"):
         cast_fp8_error_feedback(torch.ones(4), torch.ones(4), torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_loaded_scales_of_another_kind_or_params_are_refused_by_name():
+    """Scales are sticky: a checkpoint's non-power-of-two scales loaded under fp8_ue8m0 would stay for good, and a
+    checkpoint saved with another fp8_exclude lacks some params' scales: both are errors naming them."""
+    from faircast_dist import FairCaster
+    from faircast_dist.fp8 import Fp8Export
+    shapes = {"a.weight": (2, 3), "b.weight": (4, 3)}
+    ue8m0 = Fp8Export(FairCaster({"mode": "nearest", "format": "fp8", "fp8_ue8m0": True}), shapes)
+    ue8m0.load_scales({"a.weight": torch.tensor([[0.5], [0.25]]), "b.weight": torch.full((4, 1), 2.0 ** -7)})
+    with pytest.raises(ValueError, match="scales of 'a.weight' are not powers of two but fp8_ue8m0"):
+        ue8m0.load_scales({"a.weight": torch.tensor([[0.5], [0.3]]), "b.weight": torch.ones(4, 1)})
+    plain = Fp8Export(FairCaster({"mode": "nearest", "format": "fp8"}), shapes)
+    with pytest.raises(ValueError, match=r"no scales for \['b.weight'\]"):
+        plain.load_scales({"a.weight": torch.ones(2, 1)})
+    with pytest.raises(ValueError, match="saved scales of 'a.weight' have shape"):
+        plain.load_scales({"a.weight": torch.ones(1, 1), "b.weight": torch.ones(4, 1)})

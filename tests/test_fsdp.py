@@ -97,6 +97,8 @@ def records(tmp_path_factory):
                                              "first": HALF})
     jobs[2].append({"id": ("fsdp2", "fp8_from_bf16"), "fn": "resume", "export_cast": FP8["error_feedback"],
                     "dir": saves["error_feedback"], "steps": 1, "first": HALF})
+    jobs[2].append({"id": ("fsdp2", "fp8_ef_from_dithered"), "fn": "resume", "export_cast": FP8["error_feedback"],
+                    "dir": str(tmp / "fp8_dithered_ue8m0"), "steps": 1, "first": HALF})
     out = {}
     for world in (2, 4, 1):
         for job, record in zip(jobs[world], fsdp_worker.run(world, jobs[world])):
@@ -441,3 +443,16 @@ def test_fp8_from_a_bf16_checkpoint_warns_and_sets_scales_afresh(records):
     snap = rec["steps"][0]  # the FP8 export cast at the load: fresh scales, zero FP8 residuals
     (ref,) = reference_fp8(ExportCastConfig.from_value(FP8["error_feedback"]), [snap])
     assert_same({n: t for n, t in snap["served"].items() if n in ref}, ref, "FP8 after a bf16 checkpoint")
+
+
+def test_fp8_switching_to_error_feedback_keeps_the_scales_and_starts_fp8_residuals_at_zero(records):
+    """A dithered FP8 checkpoint loaded with error feedback: the saved (sticky) scales are kept and the FP8
+    residuals start at zero, whatever the process cast before the load (DCP's load builds the state dict, which
+    exports the freshly built model first)."""
+    from helpers import reference_fp8
+    saved = get(records, "fsdp2", "fp8_train", "dithered_ue8m0")["steps"][HALF]["served"]
+    snap = get(records, "fsdp2", "fp8_ef_from_dithered")["steps"][0]
+    config = ExportCastConfig.from_value(FP8["error_feedback"])
+    kept = {n.removesuffix("_scale"): t for n, t in saved.items() if n.endswith("weight_scale")}
+    (ref,) = reference_fp8(config, [snap], scales=kept)
+    assert_same({n: t for n, t in snap["served"].items() if n in ref}, ref, "FP8 after switching to error feedback")
