@@ -105,9 +105,10 @@ def install(engine, *, config=None) -> list[ExportState]:
         from deepspeed_hooks.monitor import DriftMonitor
         export.state.telemetry = DriftMonitor(sum(compat.full_numel(p) for p in engine.param_names))
         wraps.wrap(engine, "step", functools.partial(_step_reports_drift, engine, export))
-    print_dist(f"Fair Cast: master->bf16 export cast uses {caster.method} (seed {config.seed}) on "
-               f"{type(optimizer).__name__}, replacing its round-to-nearest fp32->bf16 copy{fp8_note(export.state)}",
-               ranks=[0])
+    what = (f"master->bf16 export cast uses {caster.method} (seed {config.seed}) on {type(optimizer).__name__}, "
+            "replacing its round-to-nearest fp32->bf16 copy" if config.mode == "fair" else
+            f"the master->bf16 copy stays round-to-nearest on {type(optimizer).__name__}")  # FP8 only
+    print_dist(f"Fair Cast: {what}{fp8_note(export.state)}", ranks=[0])
     return [export.state]
 
 

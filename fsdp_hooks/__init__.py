@@ -112,8 +112,10 @@ def install(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, config=
     wraps.on_uninstall(functools.partial(_detach, export))
     _attach(export)
     wraps.set(model, STATE_KEY, export)
-    _log(f"Fair Cast: FSDP2 bf16 all-gather inputs and served weights use {export.caster.method} "
-         f"(seed {config.seed}) on {len(export.params)} params, replacing round-to-nearest{fp8_note(export.state)}")
+    what = (f"FSDP2 bf16 all-gather inputs and served weights use {export.caster.method} (seed {config.seed}) on "
+            f"{len(export.params)} params, replacing round-to-nearest" if config.mode == "fair" else
+            f"FSDP2 bf16 all-gather inputs stay round-to-nearest on {len(export.params)} params")  # FP8 only
+    _log(f"Fair Cast: {what}{fp8_note(export.state)}")
     return [export.state]
 
 

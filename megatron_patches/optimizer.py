@@ -589,9 +589,11 @@ def install(optimizer, model_chunks, *, config, telemetry: bool = False,
     if not leaves:  # after the telemetry's collective, which every rank joins
         _print_rank_0("Fair Cast: left stock (round-to-nearest): the optimizer holds no trainable param")
         return []
-    _print_rank_0(f"Fair Cast: master->bf16 export cast uses {config.effective_method} (seed {config.seed}) on "
-                  f"{', '.join(type(o).__name__ for o in leaves)}, replacing the round-to-nearest copy in "
-                  f"{compat.COPY_TO_MODEL}{fp8_note(exports[0].state)}")
+    names = ", ".join(type(o).__name__ for o in leaves)
+    what = (f"master->bf16 export cast uses {config.effective_method} (seed {config.seed}) on {names}, replacing "
+            f"the round-to-nearest copy in {compat.COPY_TO_MODEL}" if config.mode == "fair" else
+            f"the master->bf16 copy stays round-to-nearest on {names}")  # FP8 only
+    _print_rank_0(f"Fair Cast: {what}{fp8_note(exports[0].state)}")
     return [export.state for export in exports]
 
 
