@@ -385,10 +385,9 @@ class MegatronExport:
         # per element: the residual; FP8 error feedback: the FP8 bits served and the FP8 residual too
         kinds = [("residual", RESIDUAL_PREFIX, None, dtype)]
         if fp8_saved:
-            operands = self.state.fp8_shards(self._operands(self.shards(), check=False))  # the buffers exist
+            self.state.fp8_shards(self._operands(self.shards(), check=False))  # (creates the buffers)
             kinds += [("fp8", FP8_PREFIX, self.state.fp8_outs, torch.uint8),
                       ("fp8_residual", FP8_RESIDUAL_PREFIX, self.state.fp8_residuals, torch.float32)]
-            del operands
         # every rank lists every param (dist-checkpointing checks that main replicas cover each
         # tensor, on load too); a rank keeps only its own range after loading
         for kind, prefix, store, kind_dtype in kinds:
