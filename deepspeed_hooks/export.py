@@ -231,13 +231,14 @@ class OptimizerExport:
         self._cast_now.add(id(hp))
 
     @torch.no_grad()
-    def fp8_shards(self) -> list[Shard]:
+    def fp8_shards(self, groups: list | None = None) -> list[Shard]:
         """``format "fp8"``: this rank's shards with their FP8 buffers: views of one buffer per group, shaped like
-        its fp32 tensor, in :attr:`ExportState.fp8_outs` / ``fp8_residuals`` keyed by group position (not in the
+        its fp32 tensor (``groups``: :meth:`groups`, when the caller has them), in :attr:`ExportState.fp8_outs` /
+        ``fp8_residuals`` keyed by group position (not in the
         optimizer state, which the base optimizer's first step must find empty; :meth:`snapshot_served` puts
         them there for a checkpoint)."""
         shards, ef = [], self.caster.method.needs_residual
-        for i, (hp, fragments) in enumerate(self.groups()):
+        for i, (hp, fragments) in enumerate(self.groups() if groups is None else groups):
             bits = self.state.fp8_outs.get(i)
             if bits is None:
                 bits = self.state.fp8_outs[i] = torch.zeros(hp.numel(), dtype=torch.uint8, device=hp.device)
@@ -260,12 +261,14 @@ class OptimizerExport:
         t.copy_(on)
 
     def export_fp8(self, step: int | None = None) -> None:
-        """``format "fp8"``: cast the FP8 served copy (collective) and keep the scales in every group's state."""
+        """``format "fp8"``: cast the FP8 served copy (collective); a checkpoint's copy in the state is stale then."""
         if self.state.fp8 is None:
             return
-        with self.telemetry.span(self.groups()[0][0].device if self.groups() else "cpu"):
-            self.state.export_fp8(self.fp8_shards(), self.reduce_max, step)
-        for hp, _ in self.groups():  # a checkpoint's copy, if any, is stale now
+        groups = self.groups()
+        shards = self.fp8_shards(groups)
+        with self.telemetry.span(shards[0].master.device if shards else "cpu"):
+            self.state.export_fp8(shards, self.reduce_max, step)
+        for hp, _ in groups:
             for key in (FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY):
                 self.optimizer.optimizer.state.get(hp, {}).pop(key, None)
 
