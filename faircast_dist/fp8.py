@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from faircast_dist.rounding import (E4M3_MAX, cast_fp8_error_feedback, cast_fp8_nearest,
-                                    cast_fp8_stochastic)
+from faircast_dist import fused
+from faircast_dist.rounding import E4M3_MAX
 
 BLOCK = 128
 _MIN_SCALE = 2.0 ** -126  # the smallest normal fp32: an all-zero channel's scale (kernels may flush subnormals)
@@ -201,7 +201,7 @@ class Fp8Export:
         return {n: math.prod(self.layout.scale_shape(shape)) for n, shape in self.shapes.items()}
 
     @torch.no_grad()
-    def export(self, shards, reduce_max, step: int | None = None) -> None:
+    def export(self, shards, reduce_max, step: int | None = None, backend: str = "auto") -> None:
         """Cast the FP8 runs of ``shards`` into their ``fp8`` buffers at export ``step`` (default: the current one).
 
         Args:
@@ -210,29 +210,30 @@ class Fp8Export:
             reduce_max: ``reduce_max(t)`` MAX-all-reduces a float32 1-D tensor in place over the ranks that share
                 the model's params (every one calls it, with or without FP8 runs: a collective; None: one process).
             step: the export step keying stochastic rounding's bits.
+            backend: the fused casts' backend (:func:`faircast_dist.fused.resolve_backend`; all give the same bits).
 
         The partial absmax of every FP8 param (one value per scale) goes into one buffer, reduced once; each rank
-        then keeps the same sticky scales (:func:`sticky_scales`) and casts its elements with them.
+        then keeps the same sticky scales (:func:`sticky_scales`) and casts its elements with them: two fused calls
+        over every run (:func:`faircast_dist.fused.fp8_absmax`, :func:`faircast_dist.fused.cast_fp8`).
         """
-        method = self.caster.method
-        runs = self._runs(shards)
+        config, method = self.caster.config, self.caster.method
         numels = self._numels()
         offsets = dict(zip(numels, itertools.accumulate([0, *numels.values()])))
-        device = shards[0].master.device if shards else torch.device("cpu")
+        held = [s for s in shards if any(name in self.shapes for name, *_ in s.runs)]
+        device = held[0].master.device if held else shards[0].master.device if shards else torch.device("cpu")
+        rows = []
+        for t, s in enumerate(held):
+            for name, start, numel, index in s.runs:
+                if name in self.shapes:
+                    k = self.shapes[name][1]
+                    key = self.caster.key(name, step) if method.keyed else (0, 0)
+                    nbk = -(-k // BLOCK) if self.layout.granularity == "block" else 0
+                    rows.append((t, start, numel, index, *key, offsets[name], k, nbk))
+        table = fused.segment_table(rows, columns=fused.FP8_COLUMNS)
+        masters = [s.master for s in held]
+        residuals = [s.fp8_residual for s in held] if method.needs_residual else None
         absmax = torch.zeros(sum(numels.values()), dtype=torch.float32, device=device)
-        cast_in, index_of = [], []
-        for s, start, numel, index, name in runs:
-            x = s.master.narrow(0, start, numel)
-            if method.needs_residual:
-                y = x + s.fp8_residual.narrow(0, start, numel)
-            elif self.caster.config.fp8_via_bf16:
-                y = x.to(torch.bfloat16).float()
-            else:
-                y = x
-            sidx = self.layout.scale_index(self.shapes[name], index, numel, device=x.device)
-            part = absmax.narrow(0, offsets[name], numels[name])
-            part.copy_(torch.maximum(part, partial_absmax(y, sidx, numels[name]).to(device)))
-            index_of.append(sidx)
+        fused.fp8_absmax(masters, table, absmax, residuals, via_bf16=config.fp8_via_bf16, backend=backend)
         if reduce_max is not None:
             reduce_max(absmax)
         self.last_rescales = 0
@@ -243,16 +244,10 @@ class Fp8Export:
             if previous is not None:
                 self.last_rescales += int(rescaled.sum())
         self.rescales += self.last_rescales
-        for (s, start, numel, index, name), sidx in zip(runs, index_of):
-            x = s.master.narrow(0, start, numel)
-            scale = element_scales(self.scales[name].to(x.device), sidx)
-            if method.keyed:
-                q = cast_fp8_stochastic(x, scale, self.caster.key(name, step), index)
-            elif method.needs_residual:
-                q = cast_fp8_error_feedback(x, scale, s.fp8_residual.narrow(0, start, numel))
-            else:
-                q = cast_fp8_nearest(x, scale, via_bf16=self.caster.config.fp8_via_bf16)
-            s.fp8.narrow(0, start, numel).copy_(q.view(torch.uint8))
+        scales = torch.cat([self.scales[n].reshape(-1) for n in self.shapes]) if self.shapes else absmax
+        cast = "stochastic" if method.keyed else "error_feedback" if method.needs_residual else "nearest"
+        fused.cast_fp8(cast, masters, [s.fp8 for s in held], table, scales.to(device), residuals,
+                       via_bf16=config.fp8_via_bf16, backend=backend)
 
     @torch.no_grad()
     def full(self, shards, reduce_max) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ The reference casts (:mod:`faircast_dist.rounding`, :mod:`faircast_dist.philox`)
 executable spec; the kernels here give the same bits, faster:
 
 * ``"cpu"``: a C++ loop (``csrc/fused_cast.cpp``) built on first use with
-  ``torch.utils.cpp_extension`` (ninja, ``-O3 -march=native -fopenmp``, the way DeepSpeed builds
+  ``torch.utils.cpp_extension`` (ninja, ``-O3 -march=native -fopenmp -ffp-contract=off``, the way DeepSpeed builds
   its CPU ops; never ``-ffast-math``), cached under ``$TORCH_EXTENSIONS_DIR/faircast/<key>`` (:func:`_cpu_module`);
 * ``"triton"``: :mod:`faircast_dist.fused_triton`, for GPU tensors (and CPU under
   ``TRITON_INTERPRET=1``, as CI tests it);
@@ -70,15 +70,19 @@ def segment_table(rows: Sequence[Sequence[int]] | torch.Tensor, columns: int = 5
     return table
 
 
-def _check(method, masters, outs, table, residuals, single):
-    """Validate the buffers and rows of :func:`cast_tensors` (``single``: name them as cast_flat does)."""
-    if method not in KERNELS:
-        raise ValueError(f"method must be one of {KERNELS}, got {method!r}")
+def _check(method, masters, outs, table, residuals, single, fp8=False):
+    """Validate the buffers and rows of :func:`cast_tensors` (``single``: name them as cast_flat does;
+    ``fp8``: of :func:`cast_fp8` / :func:`fp8_absmax`, ``method`` None for the absmax)."""
+    methods = FP8_METHODS if fp8 else KERNELS
+    if method is not None and method not in methods:
+        raise ValueError(f"method must be one of {methods}, got {method!r}")
     if residuals is None and method == "error_feedback":
         raise ValueError("error_feedback needs a residual")
-    lists = [("master", masters, (torch.float32,)), ("out", outs, (torch.bfloat16,))]
+    lists = [("master", masters, (torch.float32,))]
+    if outs is not None:
+        lists.append(("out", outs, (torch.uint8,) if fp8 else (torch.bfloat16,)))
     if residuals is not None:
-        lists.append(("residual", residuals, (torch.float32, torch.bfloat16)))
+        lists.append(("residual", residuals, (torch.float32,) if fp8 else (torch.float32, torch.bfloat16)))
     for name, ts, dtypes in lists:
         if len(ts) != len(masters):
             raise ValueError(f"{name}s has {len(ts)} tensors, masters {len(masters)}")
@@ -93,14 +97,14 @@ def _check(method, masters, outs, table, residuals, single):
         raise TypeError(f"residuals must share one dtype, got {sorted({str(r.dtype) for r in residuals})}")
     if table.numel() == 0:
         return
-    tensor, start, numel, index, k0, k1 = table.unbind(1)
+    tensor, start, numel, index, k0, k1 = table[:, :6].unbind(1)
     sizes = torch.tensor([min(t.numel() for t in ts) for ts in zip(*[x for _, x, _ in lists])] or [0], device="cpu")
     size = sizes[tensor.clamp(0, len(masters) - 1)]
     bad = ((tensor < 0) | (tensor >= len(masters)) | (start < 0) | (numel < 0) | (start > size - numel) | (index < 0)
            | (index > 2**63 - 1 - numel) | (k0 < 0) | (k0 >= 2**32) | (k1 < 0) | (k1 >= 2**32))
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        shown = tuple(table[row].tolist()[1:] if single else table[row].tolist())
+        shown = tuple(table[row].tolist()[1:] if single else table[row].tolist())[:5 if single else 6]
         where = "" if single else f"0 <= tensor < {len(masters)}, "
         raise ValueError(f"segment row {row} {shown} is out of range: needs {where}0 <= start, start + numel <= "
                          f"{int(size[row])} (buffer elements), 0 <= index < 2**63 - numel, keys in [0, 2**32)")
@@ -121,7 +125,7 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
-CPU_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+CPU_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 CPU_LDFLAGS = ("-fopenmp",)
 #: seconds to wait for another process's build of the CPU kernel before giving up on it
 LOCK_WAIT_ENV, LOCK_WAIT_S = "FAIRCAST_BUILD_LOCK_WAIT_S", 600.0
@@ -393,3 +397,143 @@ def cast_error_feedback(master: torch.Tensor, residual: torch.Tensor, out: torch
     rows = torch.tensor([[0, flat.numel(), 0, 0, 0]], dtype=torch.int64, device="cpu")
     cast_flat("error_feedback", flat, target.view(-1), rows, residual.view(-1), backend=backend)
     return _written(target, out)
+
+
+# ----------------------------------------------------------------------------------------- fp32 -> FP8 E4M3
+#: :func:`cast_fp8`'s methods (dithered rounding is "stochastic" with the dither key)
+FP8_METHODS = ("nearest", "stochastic", "error_feedback")
+#: columns of an FP8 segment row: the six of :func:`cast_tensors`, then the offset of the param's scales in the
+#: flat scales buffer, the weight's columns K and its block columns (0: channel scales; ceil(K / 128): blocks)
+FP8_COLUMNS = 9
+
+
+def _check_fp8_rows(table: torch.Tensor, num_scales: int) -> None:
+    """Name the first FP8 row whose scale columns are out of range (a bad one would read past the scales)."""
+    if table.numel() == 0:
+        return
+    numel, index, offset, k, nbk = table[:, 2], table[:, 3], table[:, 6], table[:, 7], table[:, 8]
+    kk = k.clamp(min=1)
+    last_row = torch.div(index + (numel - 1).clamp(min=0), kk, rounding_mode="floor")
+    last = torch.where(nbk == 0, last_row, torch.div(last_row, 128, rounding_mode="floor") * nbk + (kk - 1) // 128)
+    bad = (k < 1) | (offset < 0) | ((nbk != 0) & (nbk != (kk + 127) // 128)) | ((numel > 0) & (offset + last >= num_scales))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"FP8 segment row {row} {tuple(table[row].tolist())} has bad scale columns: needs K >= 1, "
+                         f"block columns 0 or ceil(K / 128), and every scale index < {num_scales} (the scales' size)")
+
+
+def _fp8_rows_reference(table: torch.Tensor):
+    """``(tensor, start, numel, index, k0, k1, scale index of each element)`` per FP8 row (the reference backend)."""
+    from faircast_dist.fp8 import Fp8Layout
+    for tensor, start, numel, index, k0, k1, offset, k, nbk in table.tolist():
+        layout = Fp8Layout("block" if nbk else "channel")
+        yield tensor, start, numel, index, k0, k1, offset + layout.scale_index((1, k), index, numel)
+
+
+def fp8_absmax(masters: Sequence[torch.Tensor], segments, absmax: torch.Tensor,
+               residuals: Sequence[torch.Tensor] | None = None, via_bf16: bool = False, backend: str = "auto") -> None:
+    """Per scale, the largest finite ``|y|`` over the FP8 rows of many flat buffers, maxed into ``absmax`` in place
+    (:func:`faircast_dist.fp8.partial_absmax` of every row, in one call): ``y`` is the master, ``bf16(master)``
+    with ``via_bf16``, ``master + residual`` with ``residuals`` (error feedback).
+
+    Args:
+        masters: float32 1-D contiguous tensors (one device).
+        segments: ``[S, 9]`` int64 rows ``(tensor, start, numel, index, k0, k1, scale offset, K, block columns)``
+            (:data:`FP8_COLUMNS`; ``index`` is the flat index ``n * K + k`` of the row's first element in its
+            ``[N, K]`` weight, whose scales start at ``scale offset`` in ``absmax``; keys unused).
+        absmax: float32 1-D contiguous, every param's scales one after the other (zeros before the first call).
+        residuals: float32 tensors indexed like ``masters``, or None.
+        via_bf16: the master rounded to bf16 first (``nearest`` with ``fp8_via_bf16``).
+        backend: see :func:`resolve_backend`.
+
+    Raises:
+        ValueError / TypeError: a bad dtype, layout or row (named).
+    """
+    table = segment_table(segments, columns=FP8_COLUMNS)
+    _check(None, list(masters), None, table, None if residuals is None else list(residuals), False, fp8=True)
+    _check_fp8_rows(table, absmax.numel())
+    if absmax.dtype != torch.float32 or absmax.dim() != 1 or not absmax.is_contiguous():
+        raise TypeError(f"absmax must be a contiguous 1-D float32 tensor, got {absmax.dtype} {tuple(absmax.shape)}")
+    if not masters:
+        return
+    backend = _fp8_backend(masters[0].device, backend)
+    if backend == "cpu":
+        _cpu_module().fp8_absmax_multi(list(masters), [] if residuals is None else list(residuals), table, absmax,
+                                       via_bf16)
+    elif backend == "triton":
+        from faircast_dist import fused_triton
+        fused_triton.fp8_absmax(list(masters), table, absmax, residuals, via_bf16)
+    else:
+        from faircast_dist.fp8 import partial_absmax
+        for tensor, start, numel, _, _, _, sidx in _fp8_rows_reference(table):
+            y = masters[tensor].narrow(0, start, numel)
+            if residuals is not None:
+                y = y + residuals[tensor].narrow(0, start, numel)
+            elif via_bf16:
+                y = y.to(torch.bfloat16).float()
+            part = partial_absmax(y, sidx.to(y.device), absmax.numel())
+            torch.maximum(absmax, part.to(absmax.device), out=absmax)
+
+
+def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], segments,
+             scales: torch.Tensor, residuals: Sequence[torch.Tensor] | None = None, via_bf16: bool = False,
+             backend: str = "auto") -> None:
+    """FP8 E4M3 casts of the FP8 rows of many flat buffers, in one call: for each row, ``outs[t][start:start +
+    numel]`` gets the E4M3 bits of :func:`faircast_dist.rounding.cast_fp8_nearest` (``via_bf16`` as there),
+    ``cast_fp8_stochastic`` (key ``(k0, k1)``, the row's global ``index``) or ``cast_fp8_error_feedback``
+    (``residuals`` updated in place) of ``masters[t][start:start + numel]`` with each element's scale, bit for bit.
+
+    Args:
+        method: one of :data:`FP8_METHODS`.
+        masters: float32 1-D contiguous tensors (one device).
+        outs: uint8 1-D contiguous tensors indexed like ``masters`` (E4M3 bit patterns), written in place.
+        segments: ``[S, 9]`` int64 rows, as :func:`fp8_absmax`; rows must not overlap.
+        scales: float32 1-D contiguous: every param's scales one after the other (same device as ``masters``),
+            finite and > 0.
+        residuals: error feedback only: float32 tensors indexed like ``masters``.
+        via_bf16: ``nearest`` only: round the master to bf16 first (the stacks' double rounding).
+        backend: see :func:`resolve_backend`.
+
+    Raises:
+        ValueError / TypeError: a bad method, backend, dtype, layout, row or scale (named).
+    """
+    table = segment_table(segments, columns=FP8_COLUMNS)
+    _check(method, list(masters), list(outs), table, None if residuals is None else list(residuals), False, fp8=True)
+    _check_fp8_rows(table, scales.numel())
+    if scales.dtype != torch.float32 or scales.dim() != 1 or not scales.is_contiguous():
+        raise TypeError(f"scales must be a contiguous 1-D float32 tensor, got {scales.dtype} {tuple(scales.shape)}")
+    if via_bf16 and method != "nearest":
+        raise ValueError(f"via_bf16 is for method 'nearest' only, got {method!r}")
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"scales[{i}] is {float(scales[i])}: the FP8 casts need finite scales > 0 "
+                         "(faircast_dist.fp8.sticky_scales sets any other one afresh)")
+    if not masters:
+        return
+    backend = _fp8_backend(masters[0].device, backend)
+    if backend == "cpu":
+        _cpu_module().cast_fp8_multi(FP8_METHODS.index(method), list(masters),
+                                     [] if residuals is None else list(residuals), list(outs), table, scales, via_bf16)
+    elif backend == "triton":
+        from faircast_dist import fused_triton
+        fused_triton.cast_fp8(method, list(masters), list(outs), table, scales, residuals, via_bf16)
+    else:
+        for tensor, start, numel, index, k0, k1, sidx in _fp8_rows_reference(table):
+            x = masters[tensor].narrow(0, start, numel)
+            scale = scales.reshape(-1)[sidx.to(scales.device)].to(x.device)
+            if method == "stochastic":
+                q = rounding.cast_fp8_stochastic(x, scale, (k0, k1), index)
+            elif method == "error_feedback":
+                q = rounding.cast_fp8_error_feedback(x, scale, residuals[tensor].narrow(0, start, numel))
+            else:
+                q = rounding.cast_fp8_nearest(x, scale, via_bf16=via_bf16)
+            outs[tensor].narrow(0, start, numel).copy_(q.view(torch.uint8))
+
+
+def _fp8_backend(device: torch.device, backend: str) -> str:
+    """:func:`resolve_backend` for the FP8 casts: the CPU kernel needs CPU tensors."""
+    backend = resolve_backend(device, backend)
+    if backend == "cpu" and (device.type != "cpu" or _cpu_module() is None):
+        raise ValueError(f"the cpu backend needs CPU tensors and a built kernel (device {device})")
+    return backend

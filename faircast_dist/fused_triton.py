@@ -84,18 +84,41 @@ if available():
         return tl.where((b & 0x7FFFFFFF) > 0x7F800000, _nonfinite16(b), (b + 0x7FFF + ((b >> 16) & 1)) >> 16)
 
     @triton.jit
-    def _cast_kernel(master_ptr, out_ptr, res_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr,
-                     EF: tl.constexpr, RES_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    def _bits16(base, key0, key1, BLOCK: tl.constexpr):
+        """The 16 random bits (uint32) of elements ``base .. base + BLOCK - 1`` (``base`` a multiple of 8):
+        Philox of block ``g // 8``, element ``g`` taking lane ``g % 8``."""
+        NB: tl.constexpr = BLOCK // 8
+        blk = base // 8 + tl.arange(0, NB)
+        zero = tl.zeros([NB], tl.uint32)
+        k0 = zero + key0.to(tl.uint32)
+        k1 = zero + key1.to(tl.uint32)
+        w0, w1, w2, w3 = _philox4x32_10((blk & 0xFFFFFFFF).to(tl.uint32), (blk >> 32).to(tl.uint32),
+                                        zero, zero, k0, k1)
+        # element i of a block takes lane i % 8: lane 2w = low half of word w, 2w + 1 its high half
+        lanes = tl.join(tl.join(tl.join(w0 & 0xFFFF, w2 & 0xFFFF), tl.join(w1 & 0xFFFF, w3 & 0xFFFF)),
+                        tl.join(tl.join(w0 >> 16, w2 >> 16), tl.join(w1 >> 16, w3 >> 16)))
+        return tl.reshape(lanes, [BLOCK])
+
+    @triton.jit
+    def _tile(master_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's tile of a table with ``COLS`` columns (start, numel, index first): its row ``s``, first
+        slot ``base`` (a param-global index), global indices ``g``, mask, buffer positions and master bits
+        (uint32). All int64: offsets past 2**31 elements stay exact."""
         pid = tl.program_id(0)
-        s = tl.load(tile_seg_ptr + pid)  # int64: all offsets below are 64-bit
-        base = tl.load(tile_base_ptr + pid)  # param-global index of the tile's first slot
-        start = tl.load(seg_ptr + 5 * s)
-        numel = tl.load(seg_ptr + 5 * s + 1)
-        g0 = tl.load(seg_ptr + 5 * s + 2)
+        s = tl.load(tile_seg_ptr + pid)
+        base = tl.load(tile_base_ptr + pid)
+        start = tl.load(seg_ptr + COLS * s)
+        numel = tl.load(seg_ptr + COLS * s + 1)
+        g0 = tl.load(seg_ptr + COLS * s + 2)
         g = base + tl.arange(0, BLOCK)
         mask = (g >= g0) & (g < g0 + numel)
         pos = start + (g - g0)
-        b = tl.load(master_ptr + pos, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        return s, base, g, mask, pos, tl.load(master_ptr + pos, mask=mask, other=0).to(tl.uint32, bitcast=True)
+
+    @triton.jit
+    def _cast_kernel(master_ptr, out_ptr, res_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr,
+                     EF: tl.constexpr, RES_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        s, base, g, mask, pos, b = _tile(master_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr, 5, BLOCK)
         finite = (b & 0x7FFFFFFF) < 0x7F800000
         if EF:
             x = b.to(tl.float32, bitcast=True)
@@ -116,21 +139,96 @@ if available():
             else:
                 tl.store(res_ptr + pos, tl.where(finite, d, e), mask=mask)
         else:
-            NB: tl.constexpr = BLOCK // 8
-            blk = base // 8 + tl.arange(0, NB)
-            zero = tl.zeros([NB], tl.uint32)
-            k0 = zero + tl.load(seg_ptr + 5 * s + 3).to(tl.uint32)
-            k1 = zero + tl.load(seg_ptr + 5 * s + 4).to(tl.uint32)
-            w0, w1, w2, w3 = _philox4x32_10((blk & 0xFFFFFFFF).to(tl.uint32), (blk >> 32).to(tl.uint32),
-                                            zero, zero, k0, k1)
-            # element i of a block takes lane i % 8: lane 2w = low half of word w, 2w + 1 its high half
-            lanes = tl.join(tl.join(tl.join(w0 & 0xFFFF, w2 & 0xFFFF), tl.join(w1 & 0xFFFF, w3 & 0xFFFF)),
-                            tl.join(tl.join(w0 >> 16, w2 >> 16), tl.join(w1 >> 16, w3 >> 16)))
-            r = tl.reshape(lanes, [BLOCK])
+            r = _bits16(base, tl.load(seg_ptr + 5 * s + 3), tl.load(seg_ptr + 5 * s + 4), BLOCK)
             mag = b & 0x7FFFFFFF
             m = tl.minimum((mag + r) & 0xFFFF0000, 0x7F7F0000)  # round, saturate at bf16 max
             q = tl.where(finite, ((b & 0x80000000) | m) >> 16, _nonfinite16(b))
         tl.store(out_ptr + pos, q.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+
+    # ------------------------------------------------------------------------------------- fp32 -> FP8 E4M3
+    # The bits of csrc/fused_cast.cpp's FP8 section (and so of rounding.py's cast_fp8_*): see the comments there.
+    # FP8 rows here: (start, numel, index, k0, k1, scale offset, K, block columns), one tensor per launch.
+
+    @triton.jit
+    def _fp8_scale_index(g, s, seg_ptr):
+        """Each element's index into the flat scales: channel ``g // K``, or block ``(g // K // 128, g % K // 128)``."""
+        off = tl.load(seg_ptr + 8 * s + 5)
+        k = tl.load(seg_ptr + 8 * s + 6)
+        nbk = tl.load(seg_ptr + 8 * s + 7)
+        row = g // k
+        return off + tl.where(nbk == 0, row, (row // 128) * nbk + (g % k) // 128)
+
+    @triton.jit
+    def _bf16_value(b):
+        """``.to(bfloat16).float()`` of fp32 patterns ``b`` (uint32), as fp32: RTN; non-finite as is."""
+        finite = (b & 0x7FFFFFFF) < 0x7F800000
+        return tl.where(finite, _to_bf16_bits(b) << 16, b).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e4m3_code(y, s, r, STOCHASTIC: tl.constexpr):
+        """E4M3 code (uint32: sign 0x80 | magnitude) of ``y / s`` (IEEE division; ``s`` finite > 0), saturated at
+        448; 0x7F where ``y`` is not finite."""
+        qb = tl.math.div_rn(y, s).to(tl.uint32, bitcast=True)
+        ab = tl.minimum(qb & 0x7FFFFFFF, 0x43E00000)
+        if STOCHASTIC:
+            normal = ((ab + (r << 4)) >> 20) - 960
+            a25 = tl.minimum(ab, 0x3C7FFFFF).to(tl.float32, bitcast=True) * 33554432.0  # |q| * 2**25: exact
+            sub = (a25.to(tl.int32).to(tl.uint32) + r) >> 16
+        else:
+            normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - 960
+            sub = (ab.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
+        code = tl.where(ab >= 0x3C800000, normal, sub)
+        yfin = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+        return tl.where(yfin, ((qb & 0x80000000) >> 24) | code, 0x7F)
+
+    @triton.jit
+    def _e4m3_value(code):
+        """fp32 of E4M3 codes (uint32); NaN for 0x7F / 0xFF."""
+        m = code & 0x7F
+        sub = (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+        v = tl.where(m >= 8, (m + 960) << 20, sub) | ((code & 0x80) << 24)
+        return tl.where(m == 0x7F, 0x7FC00000, v).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp8_cast_kernel(master_ptr, out_ptr, res_ptr, scale_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr,
+                         MODE: tl.constexpr, VIA_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """MODE 0: nearest (VIA_BF16: of bf16(master)); 1: stochastic; 2: error feedback."""
+        s, base, g, mask, pos, b = _tile(master_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr, 8, BLOCK)
+        scale = tl.load(scale_ptr + _fp8_scale_index(g, s, seg_ptr), mask=mask, other=1.0)
+        if MODE == 1:
+            r = _bits16(base, tl.load(seg_ptr + 8 * s + 3), tl.load(seg_ptr + 8 * s + 4), BLOCK)
+            code = _e4m3_code(b.to(tl.float32, bitcast=True), scale, r, True)
+        elif MODE == 2:
+            x = b.to(tl.float32, bitcast=True)
+            e = tl.load(res_ptr + pos, mask=mask, other=0.0)
+            finite = (b & 0x7FFFFFFF) < 0x7F800000
+            y = tl.where(e == 0.0, x, x + e)  # -0 + 0 would give +0: keep the master's sign
+            yb = y.to(tl.uint32, bitcast=True)
+            y = tl.where(finite & ((yb & 0x7FFFFFFF) == 0x7F800000), (yb & 0x80000000) | 0x7F7FFFFF,
+                         yb).to(tl.float32, bitcast=True)  # saturate at fp32 max
+            code = _e4m3_code(y, scale, 0, False)
+            tl.store(res_ptr + pos, tl.where(finite, y - _e4m3_value(code) * scale, e), mask=mask)
+        else:
+            x = _bf16_value(b) if VIA_BF16 else b.to(tl.float32, bitcast=True)
+            code = _e4m3_code(x, scale, 0, False)
+        tl.store(out_ptr + pos, code.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _fp8_absmax_kernel(master_ptr, res_ptr, amax_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr,
+                           Y: tl.constexpr, BLOCK: tl.constexpr):
+        """Y 0: |master|; 1: |bf16(master)|; 2: |master + residual|; finite ones only, maxed per scale (the
+        magnitude bits as int32: non-negative floats order as their patterns)."""
+        s, base, g, mask, pos, b = _tile(master_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr, 8, BLOCK)
+        if Y == 2:
+            y = b.to(tl.float32, bitcast=True) + tl.load(res_ptr + pos, mask=mask, other=0.0)
+        elif Y == 1:
+            y = _bf16_value(b)
+        else:
+            y = b.to(tl.float32, bitcast=True)
+        a = y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+        a = tl.where(a < 0x7F800000, a, 0).to(tl.int32)
+        tl.atomic_max(amax_ptr + _fp8_scale_index(g, s, seg_ptr), a, mask=mask)
+
 
 
 def tiles(table: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,3 +277,36 @@ def philox4x32_10(counter: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
     _philox_kat_kernel[(1,)](counter.contiguous(), torch.tensor(key, dtype=torch.int64, device=counter.device),
                              out, N=counter.shape[0])
     return out
+
+
+def _fp8_launches(table: torch.Tensor, device: torch.device):
+    """Per tensor with rows: ``(tensor, its rows [R, 8] on device, tile segments, tile bases)``."""
+    for k in torch.unique(table[:, 0]).tolist():
+        rows = table[table[:, 0] == k, 1:].contiguous()
+        seg, base = tiles(rows, device)
+        if seg.numel():
+            yield k, rows.to(device), seg, base
+
+
+def fp8_absmax(masters, table: torch.Tensor, absmax: torch.Tensor, residuals=None, via_bf16: bool = False) -> None:
+    """The Triton backend of :func:`faircast_dist.fused.fp8_absmax` (arguments checked there)."""
+    if not available():
+        raise ValueError("the triton backend needs triton >= 3.0 (`pip install triton`)")
+    y = 2 if residuals is not None else 1 if via_bf16 else 0
+    amax = absmax.view(torch.int32)
+    for k, rows, seg, base in _fp8_launches(table, masters[0].device):
+        res = residuals[k] if residuals is not None else masters[k]
+        _fp8_absmax_kernel[(seg.numel(),)](masters[k].view(torch.int32), res, amax, rows, seg, base, Y=y,
+                                           BLOCK=BLOCK, **COMPILE_OPTIONS)
+
+
+def cast_fp8(method: str, masters, outs, table: torch.Tensor, scales: torch.Tensor, residuals=None,
+             via_bf16: bool = False) -> None:
+    """The Triton backend of :func:`faircast_dist.fused.cast_fp8` (arguments checked there)."""
+    if not available():
+        raise ValueError("the triton backend needs triton >= 3.0 (`pip install triton`)")
+    mode = {"nearest": 0, "stochastic": 1, "error_feedback": 2}[method]
+    for k, rows, seg, base in _fp8_launches(table, masters[0].device):
+        res = residuals[k] if residuals is not None else masters[k]
+        _fp8_cast_kernel[(seg.numel(),)](masters[k].view(torch.int32), outs[k], res, scales, rows, seg, base,
+                                         MODE=mode, VIA_BF16=via_bf16, BLOCK=BLOCK, **COMPILE_OPTIONS)

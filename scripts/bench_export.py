@@ -12,11 +12,11 @@ feedback (faircast_dist.rounding), the fused kernels (faircast_dist.fused: SR, E
 and a bf16 residual; SR of the same elements cut into ``--tensors`` tensors, in one multi-tensor
 call and in one call per tensor), and torchao's ``_fp32_to_bf16_sr`` when torchao imports (bench only; it is
 in no extra). FP8 E4M3 (``"format": "fp8"``): the plain-torch spec casts (faircast_dist.rounding: nearest, SR,
-EF, given per-element scales) and a whole FP8 export of one ``[numel / 1024, 1024]`` weight with channel
-scales (absmax, sticky scales, dithered cast: ``ExportState.export_fp8``); no fused FP8 kernel exists yet.
+EF, given per-element scales), the fused FP8 kernels (absmax; nearest, SR, EF) and a whole FP8 export of one
+``[numel / 1024, 1024]`` weight with channel scales (absmax, sticky scales, dithered cast: ``ExportState.export_fp8``).
 Each row: median ms over ``--repeat`` runs, GB/s of the bytes the cast must move
 (SR/nearest: read 4 + write 2 B per element, FP8 write 1 B; EF: + read and write the residual, 4 or 2 B
-each), and the ratio to ``copy_``. On a shared machine timings are noisy: compare ratios within one run.
+each; the FP8 absmax reads 4 B, an FP8 export reads 4 B twice and writes 1 B), and the ratio to ``copy_``. On a shared machine timings are noisy: compare ratios within one run.
 
 With ``--check-bits`` (default on a non-CPU device) it first casts ``--check-numel`` random fp32
 bit patterns with contiguous and scattered indices on the device and on the CPU (reference) and
@@ -63,15 +63,39 @@ def check_bits(device: torch.device, numel: int) -> bool:
         ("fused error_feedback", lambda: cast_error_feedback(x, res.clone()),
          lambda d: fused.cast_flat("error_feedback", x.to(d), torch.empty(numel, dtype=torch.bfloat16, device=d),
                                    [(0, numel, 0, 0, 0)], res.to(d))),
-    ]:
+    ] + fp8_checks(x, key, res):
         on_cpu, on_dev = ref(), dev(device).cpu()
-        differ = on_cpu.view(torch.int16) != on_dev.view(torch.int16)
+        width = torch.int16 if on_cpu.element_size() == 2 else torch.uint8
+        differ = on_cpu.view(width) != on_dev.view(width)
+        if on_cpu.dtype == torch.float8_e4m3fn:
+            on_cpu, on_dev = on_cpu.float(), on_dev.float()
         nan_payload = differ & torch.isnan(on_cpu) & torch.isnan(on_dev)  # NaN stays NaN; payloads may differ
         same = not bool((differ & ~nan_payload).any())
         print(f"  {label:<30} {device.type} bits == cpu reference bits: {same} "
               f"({int(differ.sum())} differ, {int(nan_payload.sum())} of them NaN payloads only)")
         ok &= same
     return ok
+
+
+def fp8_checks(x: torch.Tensor, key, res: torch.Tensor) -> list:
+    """``(label, cpu reference, device cast)`` of the fused FP8 casts: ``x`` as ``[numel / 96, 96]`` weights with
+    scales 2**-8 .. 2**4, channel and block rows cut mid-row (E4M3 bytes compared; EF: its bytes)."""
+    n = x.numel() // 96 * 96
+    g = torch.Generator().manual_seed(1)
+    scales = 2.0 ** torch.randint(-8, 5, (n // 96,), generator=g).float() * (1 + torch.rand(n // 96, generator=g))
+    checks = []
+    for gran, nbk in (("channel", 0), ("block", 1)):
+        rows = fused.segment_table([(0, 0, n // 2, 0, *key, 0, 96, nbk), (0, n // 2, n - n // 2, n // 2, *key, 0, 96, nbk)],
+                                   columns=fused.FP8_COLUMNS)
+        for method in ("nearest", "stochastic", "error_feedback"):
+            def cast(device, backend, method=method, rows=rows):
+                out = torch.zeros(n, dtype=torch.uint8, device=device)
+                r = [res[:n].to(device, copy=True)] if method == "error_feedback" else None
+                fused.cast_fp8(method, [x[:n].to(device)], [out], rows, scales.to(device), r, backend=backend)
+                return out.view(torch.float8_e4m3fn)
+            checks.append((f"fused FP8 {method}, {gran}", lambda cast=cast: cast("cpu", "reference"),
+                           lambda d, cast=cast: cast(d, "auto")))
+    return checks
 
 
 def torchao_sr():
@@ -115,21 +139,32 @@ def cases(device: torch.device, numel: int, tensors: int):
 
 
 def fp8_cases(master: torch.Tensor, key, residual: torch.Tensor) -> dict:
-    """The FP8 rows (spec casts with per-element channel scales; a whole dithered FP8 export)."""
+    """The FP8 rows on one ``[numel / 1024, 1024]`` weight with channel scales: the plain-torch spec casts (given
+    per-element scales), the fused casts and absmax (faircast_dist.fused: one segment row), and a whole dithered
+    FP8 export (absmax, sticky scales, cast: ``ExportState.export_fp8``, fused)."""
     from faircast_dist.export import ExportState, Shard
     from faircast_dist.fp8 import Fp8Layout, element_scales, partial_absmax
     numel = master.numel() // 1024 * 1024
     x, shape = master[:numel], (numel // 1024, 1024)
     layout = Fp8Layout("channel")
     index = layout.scale_index(shape, 0, numel, device=x.device)
-    scale = element_scales(layout.scales(partial_absmax(x, index, shape[0])), index)
+    scales = layout.scales(partial_absmax(x, index, shape[0]))
+    scale = element_scales(scales, index)
+    out8 = torch.empty(numel, dtype=torch.uint8, device=x.device)
+    absmax = torch.zeros(shape[0], device=x.device)
+    rows = fused.segment_table([(0, 0, numel, 0, *key, 0, shape[1], 0)], columns=fused.FP8_COLUMNS)
+    res = residual[:numel]
     state = ExportState({"mode": "fair", "method": "dithered", "format": "fp8"}, shapes={"w.weight": shape})
     shard = Shard("w.weight", x, torch.empty(numel, dtype=torch.bfloat16, device=x.device),
                   [("w.weight", 0, numel, 0)])
     return {"FP8 nearest (spec)": (lambda: cast_fp8_nearest(x, scale), 5),
             "FP8 SR (spec)": (lambda: cast_fp8_stochastic(x, scale, key, 0), 5),
-            "FP8 EF (spec)": (lambda: cast_fp8_error_feedback(x, scale, residual[:numel]), 13),
-            "FP8 export, dithered, channel scales": (lambda: state.export_fp8([shard], None), 5)}
+            "FP8 EF (spec)": (lambda: cast_fp8_error_feedback(x, scale, res), 13),
+            "fused FP8 absmax": (lambda: fused.fp8_absmax([x], rows, absmax), 4),
+            "fused FP8 nearest": (lambda: fused.cast_fp8("nearest", [x], [out8], rows, scales), 5),
+            "fused FP8 SR": (lambda: fused.cast_fp8("stochastic", [x], [out8], rows, scales), 5),
+            "fused FP8 EF": (lambda: fused.cast_fp8("error_feedback", [x], [out8], rows, scales, [res]), 13),
+            "FP8 export, dithered, channel scales": (lambda: state.export_fp8([shard], None), 9)}
 
 
 def bench(device: torch.device, numel: int, repeat: int, tensors: int = 0, clock=time.perf_counter) -> list[dict]:

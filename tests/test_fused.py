@@ -431,3 +431,118 @@ def test_public_casts_are_fused_and_equal_the_reference(backend):
             got = faircast_dist.cast_error_feedback(x, res, backend=backend)
             assert_same_bits(got, rounding.cast_error_feedback(x, ref_res))
             assert torch.equal(bits(res), bits(ref_res))
+
+
+# ----------------------------------------------------------------------------------------- fp32 -> FP8 E4M3
+FP8_BACKENDS = BACKENDS
+
+
+def fp8_inputs(n, seed):
+    """n fp32 values for the FP8 casts (with scales 2**-8 .. 2**4): :func:`inputs`, then E4M3 ties, the
+    subnormal grid's ties and values around 448 * scale (saturation), each at scale 1."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    ties = (grid[:-1] + grid[1:]) / 2  # exact midpoints: ties to even in nearest
+    near = torch.cat([ties, grid, 448 + torch.tensor([1e-3, 15.99, 16.0, 16.01, 1e3]), (torch.rand(64, generator=g) * 2**-6)])
+    near = torch.cat([near, -near])
+    return torch.cat([inputs(n, seed)[:n], near])
+
+
+def fp8_rows(sizes, g, granularity):
+    """Random FP8 rows over flat buffers of ``sizes``: params ``[N, K]`` (K not a multiple of 128, one a single
+    column) cut into runs at random points (mid-row, mid-block), spread over the buffers with gaps; returns
+    ``(rows, number of scales)``."""
+    rows, offset = [], 0
+    for t, size in enumerate(sizes):
+        pos = 0
+        while pos < size:
+            k = int(torch.randint(1, 300, (1,), generator=g)) if t % 2 == 0 else 1
+            n = int(torch.randint(1, 300, (1,), generator=g))
+            nbk = -(-k // 128) if granularity == "block" else 0
+            first = int(torch.randint(0, n * k, (1,), generator=g))
+            numel = min(int(torch.randint(1, n * k - first + 1, (1,), generator=g)), size - pos)
+            k0, k1 = torch.randint(0, 1 << 32, (2,), generator=g, dtype=torch.int64).tolist()
+            rows.append((t, pos, numel, first, k0, k1, offset, k, nbk))
+            offset += n if granularity == "channel" else -(-n // 128) * nbk
+            pos += numel + int(torch.randint(0, 3, (1,), generator=g))
+    return rows, offset
+
+
+@pytest.mark.parametrize("backend", FP8_BACKENDS)
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_fp8_kernels_equal_the_spec(backend, granularity):
+    """fp8_absmax and cast_fp8 (nearest, nearest via bf16, stochastic, error feedback over 3 exports) on
+    random rows over several buffers == the reference backend (rounding.cast_fp8_*, fp8.partial_absmax): the
+    E4M3 bytes exactly, the absmax and the residuals bit for bit (NaN residuals: NaN on both sides)."""
+    g = torch.Generator().manual_seed(21)
+    sizes = [SIZE[backend] // 2, 3000, SIZE[backend] // 4]
+    masters = [fp8_inputs(n, k) for k, n in enumerate(sizes)]
+    rows, num_scales = fp8_rows([m.numel() for m in masters], g, granularity)
+    scales = 2.0 ** torch.randint(-8, 5, (num_scales,), generator=g).float() * (1 + torch.rand(num_scales, generator=g))
+    scales[::7] = 2.0 ** torch.randint(-8, 5, (len(scales[::7]),), generator=g).float()  # ties stay ties
+    residuals = [(torch.rand(m.numel(), generator=g) - 0.5) * 1e-2 for m in masters]
+    for r in residuals:
+        r[::5] = 0.0  # the master itself (a -0 master stays -0)
+    for y_of, res, via in [("master", None, False), ("bf16", None, True), ("master + residual", residuals, False)]:
+        got, want = (torch.zeros(num_scales) for _ in range(2))
+        fused.fp8_absmax(masters, rows, got, res, via_bf16=via, backend=backend)
+        fused.fp8_absmax(masters, rows, want, res, via_bf16=via, backend="reference")
+        assert torch.equal(bits(got), bits(want)), f"absmax of {y_of}"
+    for method, via in [("nearest", False), ("nearest", True), ("stochastic", False), ("error_feedback", False)]:
+        res = {b: [r.clone() for r in residuals] if method == "error_feedback" else None for b in (backend, "reference")}
+        for export in range(3 if method == "error_feedback" else 1):
+            out = {b: [torch.full(m.shape, 0x55, dtype=torch.uint8) for m in masters] for b in res}
+            for b in res:
+                fused.cast_fp8(method, masters, out[b], rows, scales, res[b], via_bf16=via, backend=b)
+            for k in range(len(masters)):
+                differ = out[backend][k] != out["reference"][k]
+                assert not differ.any(), (f"{method} via_bf16={via} export {export}: {int(differ.sum())} bytes "
+                                          f"differ in buffer {k}, first at {int(differ.nonzero()[0, 0])}")
+                if method == "error_feedback":
+                    assert_same_bits(res[backend][k], res["reference"][k])
+
+
+def test_fp8_cpu_kernel_thread_count_does_not_change_bits():
+    g = torch.Generator().manual_seed(5)
+    masters = [fp8_inputs(1 << 18, 5)]
+    rows, num_scales = fp8_rows([masters[0].numel()], g, "channel")
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            absmax, out = torch.zeros(num_scales), [torch.zeros(masters[0].shape, dtype=torch.uint8)]
+            fused.fp8_absmax(masters, rows, absmax, backend="cpu")
+            fused.cast_fp8("stochastic", masters, out, rows, absmax / 448 + 1e-30, backend="cpu")
+            results.append((bits(absmax), out[0]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, results[0][0]) and torch.equal(o, results[0][1]) for a, o in results)
+
+
+def test_fp8_bad_rows_and_arguments_are_named():
+    x, out, scales = [torch.zeros(10)], [torch.zeros(10, dtype=torch.uint8)], torch.ones(4)
+    with pytest.raises(ValueError, match="bad scale columns"):
+        fused.cast_fp8("nearest", x, out, [(0, 0, 10, 0, 0, 0, 0, 0, 0)], scales)  # K = 0
+    with pytest.raises(ValueError, match="bad scale columns"):
+        fused.cast_fp8("nearest", x, out, [(0, 0, 10, 0, 0, 0, 0, 2, 0)], scales)  # 5 rows of 2: 5 scales > 4
+    with pytest.raises(ValueError, match="bad scale columns"):
+        fused.cast_fp8("nearest", x, out, [(0, 0, 10, 0, 0, 0, 0, 5, 2)], scales)  # block columns != ceil(5/128)
+    with pytest.raises(ValueError, match="bad scale columns"):
+        fused.fp8_absmax(x, [(0, 0, 10, 0, 0, 0, 4, 10, 1)], scales)  # the one block's scale at 4: past 4 scales
+    with pytest.raises(ValueError, match=r"out of range"):
+        fused.cast_fp8("nearest", x, out, [(0, 5, 10, 0, 0, 0, 0, 10, 0)], scales)
+    with pytest.raises(ValueError, match="method must be one of"):
+        fused.cast_fp8("dithered", x, out, [], scales)
+    with pytest.raises(ValueError, match="via_bf16 is for method 'nearest'"):
+        fused.cast_fp8("stochastic", x, out, [], scales, via_bf16=True)
+    with pytest.raises(TypeError, match=r"out must be|outs\[0\] must be"):
+        fused.cast_fp8("nearest", x, [torch.zeros(10, dtype=torch.bfloat16)], [], scales)
+    with pytest.raises(ValueError, match="error_feedback needs a residual"):
+        fused.cast_fp8("error_feedback", x, out, [], scales)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"scales\[2\] is .*finite scales > 0"):
+            fused.cast_fp8("nearest", x, out, [], torch.tensor([1.0, 1.0, bad]))
+    with pytest.raises(ValueError, match=r"segment table must be \[S, 9\]"):
+        fused.cast_fp8("nearest", x, out, [(0, 0, 10, 0, 0)], scales)

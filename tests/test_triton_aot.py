@@ -1,5 +1,5 @@
-"""The fused Triton kernel compiled ahead of time for an H100/H200 (``GPUTarget("cuda", 90, 32)``)
-on this CPU machine, for both methods and both residual dtypes.
+"""The fused Triton kernels compiled ahead of time for an H100/H200 (``GPUTarget("cuda", 90, 32)``)
+on this CPU machine: bf16 for both methods and both residual dtypes, FP8 for every cast and the absmax.
 
 CI runs the kernel only under ``TRITON_INTERPRET=1``, which does not see what only the compiler
 sees (types, ``tl.umulhi`` lowering, int64 offsets). The compile runs in a child process without
@@ -16,7 +16,8 @@ import pytest
 triton = pytest.importorskip("triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ["stochastic", "error_feedback/float32", "error_feedback/bfloat16"]
+VARIANTS = ["stochastic", "error_feedback/float32", "error_feedback/bfloat16", "fp8/nearest", "fp8/nearest_via_bf16",
+            "fp8/stochastic", "fp8/error_feedback", "fp8/absmax"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def compiled():
 def test_kernel_lowers_to_ptx_for_sm90(compiled, variant):
     row = compiled[variant]
     assert row["ptx_bytes"] > 0 and row["sm"]
-    assert not row["fma"]  # enable_fp_fusion pinned off: EF's x + e and y - q are never contracted
+    assert not row["fma"]  # enable_fp_fusion pinned off: EF's x + e, y - q and y - q * s are never contracted
+    assert not row["approx_div"]  # FP8's y / s is the IEEE division (tl.math.div_rn), as on the CPU
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

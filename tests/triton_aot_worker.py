@@ -1,4 +1,4 @@
-"""Compile the fused Triton cast kernel ahead of time for a GPU target, on a machine without one.
+"""Compile the fused Triton cast kernels (bf16 and FP8) ahead of time for a GPU target, on a machine without one.
 
 Run as a script (``tests/test_triton_aot.py`` does, in a process without ``TRITON_INTERPRET``:
 under the interpreter ``@triton.jit`` gives functions that cannot be compiled)::
@@ -7,13 +7,14 @@ under the interpreter ``@triton.jit`` gives functions that cannot be compiled)::
 
     python tests/triton_aot_worker.py 90 32 --without-ptxas   # the PTX-only path, as without ptxas
 
-Prints one JSON line per kernel variant (stochastic; error feedback with an fp32 and a bf16
-residual): ``{"variant", "ptx_bytes", "sm" (the PTX targets sm_ARCH), "fma" (an FMA in the PTX),
-"cubin_bytes"}``, or ``"cubin_skipped": reason`` instead of ``cubin_bytes`` when no ``ptxas`` is
-found (the PTX is then lowered without it; only the assembler step is skipped). A kernel that does
-not compile raises (a non-zero exit with Triton's ``CompilationError``). The argument types
-are those :func:`faircast_dist.fused_triton.cast_flat` launches with (master as int32, served as
-int16, the residual as fp32 / int16, tables int64); the options are the kernel's pinned ones.
+Prints one JSON line per kernel variant (:data:`VARIANTS`: bf16 stochastic; error feedback with an
+fp32 and a bf16 residual; FP8 nearest, nearest via bf16, stochastic, error feedback and the absmax):
+``{"variant", "ptx_bytes", "sm" (the PTX targets sm_ARCH), "fma" (an FMA in the PTX), "approx_div"
+(an approximate fp32 division: FP8's y / s must be ``div.rn``), "cubin_bytes"}``, or
+``"cubin_skipped": reason`` instead of ``cubin_bytes`` when no ``ptxas`` is found (the PTX is then
+lowered without it; only the assembler step is skipped). A kernel that does not compile raises (a non-zero exit with Triton's ``CompilationError``). The argument types
+are those :mod:`faircast_dist.fused_triton` launches with (master as int32, served bf16 as int16,
+E4M3 as uint8, the residual as fp32 / int16, tables int64); the options are the kernel's pinned ones.
 """
 import json
 import os
@@ -28,8 +29,24 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from faircast_dist import fused_triton  # noqa: E402
 
-VARIANTS = {"stochastic": ("*i32", False, False), "error_feedback/float32": ("*fp32", True, False),
-            "error_feedback/bfloat16": ("*i16", True, True)}
+_BF16 = {"master_ptr": "*i32", "out_ptr": "*i16", "seg_ptr": "*i64", "tile_seg_ptr": "*i64", "tile_base_ptr": "*i64",
+         "EF": "constexpr", "RES_BF16": "constexpr", "BLOCK": "constexpr"}
+_FP8 = {"master_ptr": "*i32", "out_ptr": "*u8", "res_ptr": "*fp32", "scale_ptr": "*fp32", "seg_ptr": "*i64",
+        "tile_seg_ptr": "*i64", "tile_base_ptr": "*i64", "MODE": "constexpr", "VIA_BF16": "constexpr",
+        "BLOCK": "constexpr"}
+_ABSMAX = {"master_ptr": "*i32", "res_ptr": "*fp32", "amax_ptr": "*i32", "seg_ptr": "*i64", "tile_seg_ptr": "*i64",
+           "tile_base_ptr": "*i64", "Y": "constexpr", "BLOCK": "constexpr"}
+# variant: (kernel name, signature, constexprs) as fused_triton launches them (FP8: master as int32, E4M3 as uint8)
+VARIANTS = {
+    "stochastic": ("_cast_kernel", {**_BF16, "res_ptr": "*i32"}, {"EF": False, "RES_BF16": False}),
+    "error_feedback/float32": ("_cast_kernel", {**_BF16, "res_ptr": "*fp32"}, {"EF": True, "RES_BF16": False}),
+    "error_feedback/bfloat16": ("_cast_kernel", {**_BF16, "res_ptr": "*i16"}, {"EF": True, "RES_BF16": True}),
+    "fp8/nearest": ("_fp8_cast_kernel", _FP8, {"MODE": 0, "VIA_BF16": False}),
+    "fp8/nearest_via_bf16": ("_fp8_cast_kernel", _FP8, {"MODE": 0, "VIA_BF16": True}),
+    "fp8/stochastic": ("_fp8_cast_kernel", _FP8, {"MODE": 1, "VIA_BF16": False}),
+    "fp8/error_feedback": ("_fp8_cast_kernel", _FP8, {"MODE": 2, "VIA_BF16": False}),
+    "fp8/absmax": ("_fp8_absmax_kernel", _ABSMAX, {"Y": 2}),
+}
 
 
 def ptxas_missing(arch: int) -> str | None:
@@ -64,12 +81,9 @@ def compile_ptx_only(src, target: GPUTarget, options: dict) -> str:
 def main(arch: int, warp_size: int, without_ptxas: bool = False) -> None:
     target = GPUTarget("cuda", arch, warp_size)
     missing = "forced by --without-ptxas" if without_ptxas else ptxas_missing(arch)
-    for variant, (res_type, ef, res_bf16) in VARIANTS.items():
-        signature = {"master_ptr": "*i32", "out_ptr": "*i16", "res_ptr": res_type, "seg_ptr": "*i64",
-                     "tile_seg_ptr": "*i64", "tile_base_ptr": "*i64",
-                     "EF": "constexpr", "RES_BF16": "constexpr", "BLOCK": "constexpr"}
-        src = ASTSource(fn=fused_triton._cast_kernel, signature=signature,
-                        constexprs={"EF": ef, "RES_BF16": res_bf16, "BLOCK": fused_triton.BLOCK})
+    for variant, (kernel, signature, constexprs) in VARIANTS.items():
+        src = ASTSource(fn=getattr(fused_triton, kernel), signature=signature,
+                        constexprs={**constexprs, "BLOCK": fused_triton.BLOCK})
         options = dict(fused_triton.COMPILE_OPTIONS)
         if missing is None:
             kernel = triton.compile(src, target=target, options=options)
@@ -77,7 +91,8 @@ def main(arch: int, warp_size: int, without_ptxas: bool = False) -> None:
         else:
             ptx, cubin = compile_ptx_only(src, target, options), None
         row = {"variant": variant, "ptx_bytes": len(ptx), "sm": f"sm_{arch}" in ptx,
-               "fma": bool(re.search(r"\bfma\.", ptx))}
+               "fma": bool(re.search(r"\bfma\.", ptx)),
+               "approx_div": bool(re.search(r"\b(div\.(full|approx)|rcp\.approx)\.f32", ptx))}
         row.update({"cubin_bytes": len(cubin)} if cubin is not None else {"cubin_skipped": missing})
         print(json.dumps(row), flush=True)
 

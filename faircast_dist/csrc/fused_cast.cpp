@@ -2,7 +2,8 @@
 //
 // The executable spec is faircast_dist/rounding.py + philox.py; this file must give the same
 // bits (tests/test_fused.py). Built by faircast_dist/fused.py with torch.utils.cpp_extension
-// (-O3 -march=native -fopenmp, never -ffast-math: it would flush subnormals to zero).
+// (-O3 -march=native -fopenmp -ffp-contract=off, never -ffast-math: it would flush subnormals to zero; gcc's
+// default contraction would fuse the FP8 error feedback's y - q * s into one rounding).
 //
 // Multi-tensor: one call casts a list of flat buffers (a ZeRO partition is a list of one; the
 // masters of a Megatron optimizer are many small ones), in one parallel loop.
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -118,16 +120,20 @@ void ef_run<uint16_t>(const float* __restrict x, uint16_t* __restrict res, uint1
   }
 }
 
-enum Col { C_TENSOR, C_START, C_NUMEL, C_INDEX, C_K0, C_K1, COLS };
+// Segment table columns; FP8 rows add (offset of the param's scales in the flat scales / absmax buffer,
+// K = the weight's columns, block columns: 0 for channel scales, else ceil(K / 128)).
+enum Col { C_TENSOR, C_START, C_NUMEL, C_INDEX, C_K0, C_K1, COLS, C_SCALE = COLS, C_K, C_NBK, FP8_COLS };
 
 struct Tiles {
-  const int64_t* seg;            // [S, COLS]
+  const int64_t* seg;            // [S, cols]
   std::vector<int64_t> prefix;  // prefix[s] = first tile of segment s; prefix[S] = total
+  int64_t cols;
   int64_t total() const { return prefix.back(); }
+  const int64_t* row(int64_t s) const { return seg + cols * s; }
   // Segment s, and the tile's elements [lo, hi) as offsets into the segment.
   void locate(int64_t t, int64_t& s, int64_t& lo, int64_t& hi) const {
     s = (int64_t)(std::upper_bound(prefix.begin(), prefix.end(), t) - prefix.begin()) - 1;
-    const int64_t g0 = seg[COLS * s + C_INDEX], n = seg[COLS * s + C_NUMEL];
+    const int64_t g0 = seg[cols * s + C_INDEX], n = seg[cols * s + C_NUMEL];
     const int64_t w = (g0 / TILE + (t - prefix[s])) * TILE - g0;  // the tile's window, from g0
     lo = std::max(w, (int64_t)0);
     hi = std::min(w + TILE, n);  // (w + g0 + TILE could pass INT64_MAX)
@@ -136,13 +142,13 @@ struct Tiles {
 
 // The tiles of a segment table over tensors of sizes ``size`` (rows checked: a bad row would
 // write out of bounds; faircast_dist/fused.py names the row first).
-Tiles make_tiles(const torch::Tensor& segments, const std::vector<int64_t>& size) {
+Tiles make_tiles(const torch::Tensor& segments, const std::vector<int64_t>& size, int64_t cols = COLS) {
   TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == torch::kInt64 && segments.dim() == 2 &&
-              segments.size(1) == COLS && segments.is_contiguous(),
-              "segments must be a contiguous CPU int64 [S, 6] table");
-  Tiles t{segments.data_ptr<int64_t>(), std::vector<int64_t>(segments.size(0) + 1, 0)};
+              segments.size(1) == cols && segments.is_contiguous(),
+              "segments must be a contiguous CPU int64 [S, ", cols, "] table");
+  Tiles t{segments.data_ptr<int64_t>(), std::vector<int64_t>(segments.size(0) + 1, 0), cols};
   for (int64_t s = 0; s < segments.size(0); ++s) {
-    const int64_t* row = t.seg + COLS * s;
+    const int64_t* row = t.row(s);
     const int64_t k = row[C_TENSOR], start = row[C_START], n = row[C_NUMEL], g0 = row[C_INDEX];
     TORCH_CHECK(k >= 0 && k < (int64_t)size.size() && start >= 0 && n >= 0 && start <= size[k] - n && g0 >= 0 &&
                 g0 <= INT64_MAX - n, "segment row ", s, " is out of range");
@@ -181,7 +187,7 @@ void cast_stochastic_multi(const std::vector<torch::Tensor>& masters, std::vecto
     for (int64_t t = begin; t < end; ++t) {
       int64_t s, lo, hi;
       tiles.locate(t, s, lo, hi);
-      const int64_t* row = tiles.seg + COLS * s;
+      const int64_t* row = tiles.row(s);
       const uint32_t k0 = (uint32_t)row[C_K0], k1 = (uint32_t)row[C_K1];
       const uint32_t* xs = x[row[C_TENSOR]] + row[C_START];
       uint16_t* os = o[row[C_TENSOR]] + row[C_START];
@@ -211,7 +217,7 @@ void cast_error_feedback_multi(const std::vector<torch::Tensor>& masters, std::v
     for (int64_t t = begin; t < end; ++t) {
       int64_t s, lo, hi;
       tiles.locate(t, s, lo, hi);
-      const int64_t* row = tiles.seg + COLS * s;
+      const int64_t* row = tiles.row(s);
       const int64_t k = row[C_TENSOR], off = row[C_START] + lo;
       if (fp32_res)
         ef_run<float>(x[k] + off, static_cast<float*>(r[k]) + off, o[k] + off, hi - lo);
@@ -221,7 +227,189 @@ void cast_error_feedback_multi(const std::vector<torch::Tensor>& masters, std::v
   });
 }
 
+
+// ------------------------------------------------------------------------------------------ fp32 -> FP8 E4M3
+// The spec is rounding.py's e4m3_round / cast_fp8_* and fp8.py's partial_absmax (docs/design.md "FP8 exports").
+// Element g = index + offset of a row has scale C_SCALE + (channel) g / K, or (block) (g / K / 128) * NBK +
+// (g % K) / 128; elements are handled in runs that share one scale, so the inner loops see a constant scale.
+// Needs -ffp-contract=off (error feedback's y - q * s is two roundings, no fused multiply-add).
+namespace {
+
+constexpr float E4M3_MAX = 448.0f, FP32_MAX = 3.40282347e38f;
+enum Fp8Mode { F_NEAREST, F_STOCHASTIC, F_ERROR_FEEDBACK };
+
+inline bool finite32(float v) { return (f2u(v) & MAG) < INF; }
+// Branch-free selects (bit masks), so that gcc vectorises the loops below (it does not if-convert them).
+inline uint32_t sel(bool c, uint32_t a, uint32_t b) { const uint32_t m = 0u - (uint32_t)c; return (a & m) | (b & ~m); }
+inline float self(bool c, float a, float b) { return u2f(sel(c, f2u(a), f2u(b))); }
+inline float bf16_value(float v) {  // .to(bfloat16).float(): RTN for finite v, non-finite v as is
+  return self(finite32(v), u2f((uint32_t)rtn16(f2u(v)) << 16), v);
+}
+// The length of the run of elements from global index g that share one scale (its index: sidx), at most n.
+inline int64_t scale_run(const int64_t* row, int64_t g, int64_t n, int64_t& sidx) {
+  const int64_t K = row[C_K], r = g / K, c = g % K;
+  if (row[C_NBK] == 0) { sidx = row[C_SCALE] + r; return std::min(n, K - c); }
+  sidx = row[C_SCALE] + (r / 128) * row[C_NBK] + c / 128;
+  return std::min(n, std::min(128 - c % 128, K - c));
+}
+
+// E4M3 code (sign bit 0x80 | magnitude code) of y / s: rounding.py's _scaled then e4m3_round, for a finite
+// scale s > 0 (fused.py checks). Then y finite gives a finite or infinite quotient, saturated at 448 by a min on
+// its magnitude bits, and y not finite gives NaN (0x7f). Where |q| >= 2**-6 the rounding is integer work on the
+// fp32 pattern, as for bf16: code = (bits >> 20) - 960 (4 bits of exponent, 3 of mantissa), ties to even by
+// + 0x7ffff + lsb, stochastic rounding by + r << 4 (it carries iff floor(f * 2**16) + r >= 2**16). Below 2**-6
+// (the subnormal grid, spacing 2**-9): nearest adds 2**14, whose fp32 spacing is 2**-9, so the addition rounds
+// |q| to the grid, ties to even (the default rounding mode); stochastic rounding takes floor(|q| * 2**25)
+// (exact: a power of two; k * 2**16 + floor(f * 2**16)) + r, >> 16.
+template <int MODE>
+inline uint32_t e4m3_code(float y, float s, uint32_t r) {
+  const uint32_t qb = f2u(y / s);
+  const uint32_t ab = std::min(qb & MAG, 0x43e00000u);  // |q| saturated at 448
+  const uint32_t normal = MODE == F_STOCHASTIC ? ((ab + (r << 4)) >> 20) - 960u
+                                               : ((ab + 0x7ffffu + ((ab >> 20) & 1u)) >> 20) - 960u;
+  const uint32_t sub = MODE == F_STOCHASTIC ? ((uint32_t)(int32_t)(u2f(std::min(ab, 0x3c7fffffu)) * 33554432.0f) + r) >> 16
+                                            : f2u(u2f(ab) + 16384.0f) - 0x46800000u;
+  const uint32_t code = sel(ab >= 0x3c800000u, normal, sub);
+  return sel(finite32(y), ((qb & SIGN) >> 24) | code, 0x7fu);
+}
+
+// The fp32 value of an E4M3 code (a NaN for 0x7f / 0xff; payloads may differ from the spec's).
+inline float e4m3_value(uint32_t code) {
+  const uint32_t m = code & 0x7fu;
+  const uint32_t v = sel(m >= 8, (m + 960u) << 20, f2u((float)(int32_t)m * 0.001953125f)) | ((code & 0x80u) << 24);
+  return u2f(sel(m == 0x7fu, 0x7fc00000u, v));
+}
+
+template <int MODE, bool VIA_BF16>
+void fp8_run(const float* __restrict x, const uint16_t* __restrict r, float* __restrict res, uint8_t* __restrict out,
+             int64_t n, float s) {
+  if (MODE == F_ERROR_FEEDBACK) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float xi = x[i], e = res[i];
+      const bool finite = finite32(xi);
+      float y = self(e == 0.0f, xi, xi + e);  // -0 + 0 would give +0: keep the master's sign
+      y = self(finite & ((f2u(y) & MAG) == INF), u2f((f2u(y) & SIGN) | 0x7f7fffffu), y);  // saturate at fp32 max
+      const uint32_t code = e4m3_code<F_NEAREST>(y, s, 0);
+      out[i] = (uint8_t)code;
+      res[i] = self(finite, y - e4m3_value(code) * s, e);
+    }
+  } else if (MODE == F_STOCHASTIC) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)e4m3_code<F_STOCHASTIC>(x[i], s, r[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)e4m3_code<F_NEAREST>(VIA_BF16 ? bf16_value(x[i]) : x[i], s, 0);
+  }
+}
+
+// The largest finite |y| of n elements (fp8.py: partial_absmax): y = x, bf16(x) or x + res (Y_*). A max of the
+// magnitude bits (non-negative floats order as their patterns).
+enum AbsY { Y_MASTER, Y_BF16, Y_RESIDUAL };
+template <int Y>
+float absmax_run(const float* __restrict x, const float* __restrict res, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = Y == Y_RESIDUAL ? x[i] + res[i] : (Y == Y_BF16 ? bf16_value(x[i]) : x[i]);
+    const uint32_t a = f2u(y) & MAG;
+    m = std::max(m, sel(a < INF, a, 0u));
+  }
+  return u2f(m);
+}
+
+// The FP8 rows' scale columns, checked against the scales buffer (a bad row would read out of bounds).
+void check_fp8_rows(const Tiles& tiles, int64_t segments, int64_t num_scales) {
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t* row = tiles.row(s);
+    const int64_t K = row[C_K], n = row[C_NUMEL], g1 = row[C_INDEX] + n - 1;
+    TORCH_CHECK(K > 0 && row[C_SCALE] >= 0 && row[C_NBK] >= 0, "segment row ", s, " has a bad scale layout");
+    if (n == 0) continue;
+    const int64_t last = row[C_NBK] == 0 ? g1 / K : (g1 / K / 128) * row[C_NBK] + (K - 1) / 128;
+    TORCH_CHECK(row[C_NBK] == 0 || row[C_NBK] == (K + 127) / 128, "segment row ", s, ": block columns must be ceil(K / 128)");
+    TORCH_CHECK(row[C_SCALE] + last < num_scales, "segment row ", s, " reaches past the scales");
+  }
+}
+
+}  // namespace
+
+void fp8_absmax_multi(const std::vector<torch::Tensor>& masters, const std::vector<torch::Tensor>& residuals,
+                      const torch::Tensor& segments, torch::Tensor& absmax, bool via_bf16) {
+  TORCH_CHECK(residuals.empty() || residuals.size() == masters.size(), "residuals: one per master, or none");
+  TORCH_CHECK(absmax.device().is_cpu() && absmax.scalar_type() == torch::kFloat32 && absmax.dim() == 1 &&
+              absmax.is_contiguous(), "absmax must be a contiguous 1-D CPU float32 tensor");
+  std::vector<int64_t> size;
+  const auto x = pointers<const float>(masters, torch::kFloat32, "masters", &size);
+  const auto r = pointers<const float>(residuals, torch::kFloat32, "residuals", &size);
+  const Tiles tiles = make_tiles(segments, size, FP8_COLS);
+  check_fp8_rows(tiles, segments.size(0), absmax.numel());
+  uint32_t* maxima = reinterpret_cast<uint32_t*>(absmax.data_ptr<float>());  // >= 0 floats order as uint32
+  at::parallel_for(0, tiles.total(), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t s, lo, hi, sidx;
+      tiles.locate(t, s, lo, hi);
+      const int64_t* row = tiles.row(s);
+      const float* xs = x[row[C_TENSOR]] + row[C_START];
+      const float* rs = r.empty() ? nullptr : r[row[C_TENSOR]] + row[C_START];
+      for (int64_t a = lo, n; a < hi; a += n) {
+        n = scale_run(row, row[C_INDEX] + a, hi - a, sidx);
+        const uint32_t m = f2u(rs ? absmax_run<Y_RESIDUAL>(xs + a, rs + a, n)
+                                  : via_bf16 ? absmax_run<Y_BF16>(xs + a, nullptr, n) : absmax_run<Y_MASTER>(xs + a, nullptr, n));
+        uint32_t old = __atomic_load_n(maxima + sidx, __ATOMIC_RELAXED);
+        while (m > old && !__atomic_compare_exchange_n(maxima + sidx, &old, m, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+        }
+      }
+    }
+  });
+}
+
+void cast_fp8_multi(int64_t mode, const std::vector<torch::Tensor>& masters, std::vector<torch::Tensor>& residuals,
+                    std::vector<torch::Tensor>& outs, const torch::Tensor& segments, const torch::Tensor& scales,
+                    bool via_bf16) {
+  TORCH_CHECK(mode >= F_NEAREST && mode <= F_ERROR_FEEDBACK, "mode must be 0 (nearest), 1 (stochastic), 2 (error feedback)");
+  TORCH_CHECK(masters.size() == outs.size(), "masters and outs must be lists of one length");
+  TORCH_CHECK(mode != F_ERROR_FEEDBACK || residuals.size() == masters.size(), "error feedback needs one residual per master");
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == torch::kFloat32 && scales.dim() == 1 &&
+              scales.is_contiguous(), "scales must be a contiguous 1-D CPU float32 tensor");
+  std::vector<int64_t> size;
+  const auto x = pointers<const float>(masters, torch::kFloat32, "masters", &size);
+  const auto o = pointers<uint8_t>(outs, torch::kUInt8, "outs", &size);
+  const auto r = pointers<float>(mode == F_ERROR_FEEDBACK ? residuals : std::vector<torch::Tensor>{},
+                                 torch::kFloat32, "residuals", &size);
+  const Tiles tiles = make_tiles(segments, size, FP8_COLS);
+  check_fp8_rows(tiles, segments.size(0), scales.numel());
+  const float* sc = scales.data_ptr<float>();
+  at::parallel_for(0, tiles.total(), 4, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t words[4 * SUB / 8];
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t s, lo, hi, sidx;
+      tiles.locate(t, s, lo, hi);
+      const int64_t* row = tiles.row(s);
+      const int64_t k = row[C_TENSOR], g0 = row[C_INDEX];
+      const float* xs = x[k] + row[C_START];
+      uint8_t* os = o[k] + row[C_START];
+      float* rs = r.empty() ? nullptr : r[k] + row[C_START];
+      for (int64_t a = lo, b; a < hi; a = b) {  // sub-tiles at param-global multiples of SUB
+        const int64_t g = g0 + a;
+        b = std::min(hi, a + SUB - g % SUB);
+        const uint16_t* bits = nullptr;
+        if (mode == F_STOCHASTIC) {
+          const int64_t blk0 = g / 8;
+          philox_blocks((uint64_t)blk0, (g + (b - a) - 1) / 8 - blk0 + 1, (uint32_t)row[C_K0], (uint32_t)row[C_K1], words);
+          bits = reinterpret_cast<const uint16_t*>(words) + (g - 8 * blk0);  // element a's bits
+        }
+        for (int64_t c = a, n; c < b; c += n) {  // runs sharing one scale
+          n = scale_run(row, g0 + c, b - c, sidx);
+          const float sv = sc[sidx];
+          if (mode == F_STOCHASTIC) fp8_run<F_STOCHASTIC, false>(xs + c, bits + (c - a), nullptr, os + c, n, sv);
+          else if (mode == F_ERROR_FEEDBACK) fp8_run<F_ERROR_FEEDBACK, false>(xs + c, nullptr, rs + c, os + c, n, sv);
+          else if (via_bf16) fp8_run<F_NEAREST, true>(xs + c, nullptr, nullptr, os + c, n, sv);
+          else fp8_run<F_NEAREST, false>(xs + c, nullptr, nullptr, os + c, n, sv);
+        }
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_stochastic_multi", &cast_stochastic_multi, "fused stochastic rounding of tensor lists over a segment table");
   m.def("cast_error_feedback_multi", &cast_error_feedback_multi, "fused error feedback of tensor lists over a segment table");
+  m.def("fp8_absmax_multi", &fp8_absmax_multi, "per-scale partial absmax of FP8 rows (max into absmax)");
+  m.def("cast_fp8_multi", &cast_fp8_multi, "fused fp32 -> FP8 E4M3 casts of tensor lists over an FP8 segment table");
 }
