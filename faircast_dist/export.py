@@ -182,16 +182,29 @@ class ExportState:
         """``format "fp8"``: cast the FP8 params' elements of ``shards`` into their FP8 bits at export ``step``
         (default: the current one) with the sticky scales (:meth:`faircast_dist.fp8.Fp8Export.export`;
         ``reduce_max``: the MAX all-reduce over the ranks sharing the model, every rank calls this). Reports the
-        rescales to the telemetry. Nothing without FP8."""
+        rescales and the FP8 copy's pieces to the telemetry. Nothing without FP8."""
         if self.fp8 is None:
             return
-        self.fp8.export(self.fp8_shards(shards), reduce_max, step)
-        self.telemetry.fp8(self.fp8.last_rescales)
+        shards = self.fp8_shards(shards)
+        pieces = lambda: self.fp8_pieces(shards)  # noqa: E731  (called only by an observer that measures)
+        self.telemetry.fp8_begin(self.fp8, pieces)
+        self.fp8.export(shards, reduce_max, step)
+        self.telemetry.fp8(self.fp8, pieces)
 
     def full_fp8(self, shards: Sequence[Shard], reduce_max) -> dict[str, torch.Tensor]:
         """``format "fp8"``: ``{name: float8_e4m3fn full tensor}`` of the FP8 params, what the last export cast
         (:meth:`faircast_dist.fp8.Fp8Export.full`; collective through ``reduce_max``, uint8)."""
         return self.fp8.full(self.fp8_shards(shards), reduce_max)
+
+    def fp8_pieces(self, shards: Sequence[Shard]) -> list[tuple]:
+        """What the telemetry measures of the FP8 copy of ``shards`` (with their FP8 buffers, :meth:`fp8_shards`):
+        ``(key, master, uint8 E4M3 bits, FP8 runs)`` of the counted shards that hold FP8 runs."""
+        pieces = []
+        for s in shards:
+            runs = [r for r in s.runs if r[0] in self.fp8.shapes]
+            if s.counted and runs:
+                pieces.append((s.key, s.master, s.fp8, runs))
+        return pieces
 
     def pieces(self, shards: Sequence[Shard]) -> list[tuple]:
         """What the telemetry measures of ``shards`` (:meth:`DriftSample.observe`'s pieces)."""

@@ -192,6 +192,17 @@ class Fp8Export:
         """The checkpoint name of FP8 param ``name``'s scales (``...proj.weight`` -> ``...proj.weight_scale``)."""
         return name[:-len("weight")] + self.layout.scale_name
 
+    def scale_offsets(self) -> dict[str, int]:
+        """``{name: offset}`` of each FP8 param's scales in :meth:`flat_scales` (and in the absmax buffer)."""
+        numels = self._numels()
+        return dict(zip(numels, itertools.accumulate([0, *numels.values()])))
+
+    def flat_scales(self, device=None) -> torch.Tensor:
+        """Every FP8 param's scales, one after the other in :attr:`shapes` order: float32 1-D on ``device``."""
+        if not self.scales:
+            return torch.zeros(0, dtype=torch.float32, device=device)
+        return torch.cat([self.scales[n].reshape(-1) for n in self.shapes]).to(device)
+
     def _runs(self, shards):
         """``(shard, start, numel, index, name)`` of every run of an FP8 param in ``shards``."""
         return [(s, start, numel, index, name) for s in shards for name, start, numel, index in s.runs
@@ -217,8 +228,7 @@ class Fp8Export:
         over every run (:func:`faircast_dist.fused.fp8_absmax`, :func:`faircast_dist.fused.cast_fp8`).
         """
         config, method = self.caster.config, self.caster.method
-        numels = self._numels()
-        offsets = dict(zip(numels, itertools.accumulate([0, *numels.values()])))
+        numels, offsets = self._numels(), self.scale_offsets()
         held = [s for s in shards if any(name in self.shapes for name, *_ in s.runs)]
         device = held[0].master.device if held else shards[0].master.device if shards else torch.device("cpu")
         rows = []
@@ -244,9 +254,9 @@ class Fp8Export:
             if previous is not None:
                 self.last_rescales += int(rescaled.sum())
         self.rescales += self.last_rescales
-        scales = torch.cat([self.scales[n].reshape(-1) for n in self.shapes]) if self.shapes else absmax
+        scales = self.flat_scales(device) if self.shapes else absmax
         cast = "stochastic" if method.keyed else "error_feedback" if method.needs_residual else "nearest"
-        fused.cast_fp8(cast, masters, [s.fp8 for s in held], table, scales.to(device), residuals,
+        fused.cast_fp8(cast, masters, [s.fp8 for s in held], table, scales, residuals,
                        via_bf16=config.fp8_via_bf16, backend=backend)
 
     @torch.no_grad()

@@ -415,7 +415,7 @@ def _check_fp8_rows(table: torch.Tensor, num_scales: int) -> None:
     kk = k.clamp(min=1)
     last_row = torch.div(index + (numel - 1).clamp(min=0), kk, rounding_mode="floor")
     last = torch.where(nbk == 0, last_row, torch.div(last_row, 128, rounding_mode="floor") * nbk + (kk - 1) // 128)
-    bad = (k < 1) | (offset < 0) | ((nbk != 0) & (nbk != (kk + 127) // 128)) | ((numel > 0) & (offset + last >= num_scales))
+    bad = (k < 1) | (offset < 0) | ((nbk != 0) & (nbk != (kk + 127) // 128)) | ((numel > 0) & (last >= num_scales - offset))
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         raise ValueError(f"FP8 segment row {row} {tuple(table[row].tolist())} has bad scale columns: needs K >= 1, "
@@ -447,13 +447,18 @@ def fp8_absmax(masters: Sequence[torch.Tensor], segments, absmax: torch.Tensor,
         backend: see :func:`resolve_backend`.
 
     Raises:
-        ValueError / TypeError: a bad dtype, layout or row (named).
+        ValueError / TypeError: a bad dtype, layout or row (named), or an ``absmax`` holding a negative value,
+            -0 or NaN.
     """
     table = segment_table(segments, columns=FP8_COLUMNS)
     _check(None, list(masters), None, table, None if residuals is None else list(residuals), False, fp8=True)
+    if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or absmax.dim() != 1 \
+            or not absmax.is_contiguous():
+        raise TypeError(f"absmax must be a contiguous 1-D float32 tensor, got {getattr(absmax, 'dtype', type(absmax))} "
+                        f"{tuple(getattr(absmax, 'shape', ()))}")
     _check_fp8_rows(table, absmax.numel())
-    if absmax.dtype != torch.float32 or absmax.dim() != 1 or not absmax.is_contiguous():
-        raise TypeError(f"absmax must be a contiguous 1-D float32 tensor, got {absmax.dtype} {tuple(absmax.shape)}")
+    if bool((absmax.view(torch.int32) < 0).any() | torch.isnan(absmax).any()):  # -0.0 too: its sign bit is set
+        raise ValueError("absmax must hold values >= +0 (zeros before the first call), not negative values, -0 or NaN")
     if not masters:
         return
     backend = _fp8_backend(masters[0].device, backend)
@@ -497,11 +502,15 @@ def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.
     Raises:
         ValueError / TypeError: a bad method, backend, dtype, layout, row or scale (named).
     """
+    if method not in FP8_METHODS:
+        raise ValueError(f"method must be one of {FP8_METHODS}, got {method!r}")
     table = segment_table(segments, columns=FP8_COLUMNS)
     _check(method, list(masters), list(outs), table, None if residuals is None else list(residuals), False, fp8=True)
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 1 \
+            or not scales.is_contiguous():
+        raise TypeError(f"scales must be a contiguous 1-D float32 tensor, got {getattr(scales, 'dtype', type(scales))} "
+                        f"{tuple(getattr(scales, 'shape', ()))}")
     _check_fp8_rows(table, scales.numel())
-    if scales.dtype != torch.float32 or scales.dim() != 1 or not scales.is_contiguous():
-        raise TypeError(f"scales must be a contiguous 1-D float32 tensor, got {scales.dtype} {tuple(scales.shape)}")
     if via_bf16 and method != "nearest":
         raise ValueError(f"via_bf16 is for method 'nearest' only, got {method!r}")
     bad = ~(torch.isfinite(scales) & (scales > 0))

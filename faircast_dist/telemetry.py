@@ -1,4 +1,4 @@
-"""Drift telemetry: how far the served bf16 weights are from the fp32 master (docs/design.md).
+"""Drift telemetry: how far the served bf16 (and FP8) weights are from the fp32 master (docs/design.md).
 
 * ``changed_fraction[t]`` — fraction of served bf16 elements whose bits differ from step t-1.
 * ``lag_steps[t]``       — argmin over k in [0, K] of ||served_t - master_{t-k}||^2 on a fixed
@@ -56,6 +56,16 @@ def bf16_spacing(x: torch.Tensor) -> torch.Tensor:
     low = torch.clamp_max(bits, _BINADE_TOP)
     spacing = (low + 0x10000).view(torch.float32) - low.view(torch.float32)
     return torch.where(torch.isfinite(x), spacing, torch.nan)
+
+
+def e4m3_spacing(y: torch.Tensor) -> torch.Tensor:
+    """The E4M3 grid's spacing at each element of the float32 tensor ``y`` (a master over its FP8 scale), as float32:
+    ``2**(max(e, -6) - 3)`` for |y| in [2**e, 2**(e+1)), that of the top binade (32) at and above 448. NaN/Inf give
+    NaN."""
+    a = torch.clamp(y.float().abs(), max=448.0)
+    e = torch.clamp((a.view(torch.int32) >> 23) - 127, min=-6)
+    spacing = torch.ldexp(torch.ones_like(a), e - 3)
+    return torch.where(torch.isfinite(y), spacing, torch.nan)
 
 
 def gap_ulps(served: torch.Tensor, master: torch.Tensor) -> float:
@@ -153,7 +163,8 @@ def sample_stride(total: int, sample: int = 65536) -> int:
     return n
 
 
-def sampled_positions(rows: Iterable[Sequence], stride: int, device=None) -> torch.Tensor:
+def sampled_positions(rows: Iterable[Sequence], stride: int, device=None,
+                      with_index: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Buffer positions of the sampled elements of a buffer's param fragments.
 
     Element ``g`` (global flat index) of param ``name`` is sampled when
@@ -168,16 +179,25 @@ def sampled_positions(rows: Iterable[Sequence], stride: int, device=None) -> tor
         stride: from :func:`sample_stride` (>= 1).
         device: where the returned tensor lives.
 
+        with_index: also return each sampled element's global index and row number.
+
     Returns:
-        int64 ``[n]``, sorted by row then position.
+        int64 ``[n]``, sorted by row then position (``with_index``: ``(positions, global indices, rows)``).
     """
-    parts = []
-    for name, start, numel, index in rows:
+    parts, which = [], []
+    for r, (name, start, numel, index) in enumerate(rows):
         skip = -(int(index) + zlib.crc32(name.encode())) % stride  # first sampled element of the row
         if skip < numel:
             parts.append(torch.arange(int(start) + skip, int(start) + int(numel), stride, dtype=torch.int64,
                                       device=device))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+            which.append(torch.full_like(parts[-1], r))
+    pos = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+    if not with_index:
+        return pos
+    row = torch.cat(which) if which else torch.zeros(0, dtype=torch.int64, device=device)
+    start_index = torch.tensor([[int(start), int(index)] for _, start, _, index in rows] or [[0, 0]],
+                               dtype=torch.int64, device=device)
+    return pos, pos - start_index[row, 0] + start_index[row, 1], row
 
 
 class DriftSample:
@@ -190,9 +210,14 @@ class DriftSample:
     sums :func:`reduce_drift` needs. Nothing crosses to the host. :meth:`prime`, before the first
     export, gives the first ``changed_fraction`` the served model it starts from.
 
+    With ``fp8`` (an :class:`~faircast_dist.fp8.Fp8Export`) it measures the FP8 served copy instead: pieces hold
+    the uint8 E4M3 bits (and only FP8 params' runs), the served value is ``q * scale`` and the gap is in units of
+    the E4M3 spacing times the scale.
+
     Args:
         stride: sampling stride (:func:`sample_stride`, the same on every rank).
         max_lag: K, past master samples kept for ``lag_steps``.
+        fp8: the FP8 export whose served copy is measured (its scales at each :meth:`observe`), or None (bf16).
 
     Attributes:
         last: float64 ``[4 + K + 1]`` on the pieces' device, or None before the first export:
@@ -201,10 +226,10 @@ class DriftSample:
         steps: exports observed (int).
     """
 
-    def __init__(self, stride: int, max_lag: int = 100):
+    def __init__(self, stride: int, max_lag: int = 100, fp8=None):
         if stride < 1 or max_lag < 0:
             raise ValueError(f"DriftSample needs stride >= 1 and max_lag >= 0, got {stride=}, {max_lag=}")
-        self.stride, self.max_lag = stride, max_lag
+        self.stride, self.max_lag, self.fp8 = stride, max_lag, fp8
         self.positions: dict = {}
         self.ring: torch.Tensor | None = None  # [K + 1, n] float32 master samples, row head = now
         self.head = -1
@@ -212,20 +237,37 @@ class DriftSample:
         self.last: torch.Tensor | None = None
         self.steps = 0
 
-    def _select(self, pieces: Iterable[tuple], device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampled masters (float32) and served values (bfloat16) of ``pieces``, on the served device."""
-        masters, served = [], []
+    def _positions(self, rows, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled positions of a piece's ``rows`` and (FP8) each one's index into the flat scales."""
+        if self.fp8 is None:
+            return sampled_positions(rows, self.stride, device), None
+        pos, g, row = sampled_positions(rows, self.stride, device, with_index=True)
+        scale = torch.zeros_like(pos)
+        offsets = self.fp8.scale_offsets()
+        for r, (name, *_) in enumerate(rows):
+            at = row == r
+            scale[at] = offsets[name] + self.fp8.layout.scale_index(self.fp8.shapes[name], g[at])
+        return pos, scale
+
+    def _select(self, pieces: Iterable[tuple], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampled masters (float32), served bits (bf16 as int16; FP8: uint8) and (FP8) flat scale indices of
+        ``pieces``, on the served device."""
+        masters, served, scales = [], [], []
         for key, master, out, rows in pieces:
             device = out.device  # the served side (ZeRO-Offload: masters on the host)
             pos = self.positions.get(key)
             if pos is None:
-                pos = sampled_positions(rows, self.stride, device)
-                pos = self.positions[key] = (pos.to(master.device), pos)
+                p, scale = self._positions(rows, device)
+                pos = self.positions[key] = (p.to(master.device), p, scale)
             masters.append(master.index_select(0, pos[0]).to(device))
             served.append(out.index_select(0, pos[1]))
+            if pos[2] is not None:
+                scales.append(pos[2])
         m = torch.cat(masters) if masters else torch.zeros(0, dtype=torch.float32, device=device)
-        s = torch.cat(served) if served else torch.zeros(0, dtype=torch.bfloat16, device=device)
-        return m, s
+        dtype = torch.bfloat16 if self.fp8 is None else torch.uint8
+        s = torch.cat(served) if served else torch.zeros(0, dtype=dtype, device=device)
+        scale = torch.cat(scales) if scales else torch.zeros(0, dtype=torch.int64, device=device)
+        return m, s.view(torch.int16) if self.fp8 is None else s, scale
 
     def reset(self) -> None:
         """Forget the served bits and master history (after a checkpoint load in a running
@@ -242,7 +284,7 @@ class DriftSample:
         :meth:`observe` will get (their served buffers not yet written). Without it the first
         export reports 0 changed.
         """
-        self.previous = self._select(pieces, device)[1].view(torch.int16).clone()
+        self.previous = self._select(pieces, device)[1].clone()
 
     @torch.no_grad()
     def observe(self, pieces: Iterable[tuple], device=None) -> None:
@@ -255,20 +297,24 @@ class DriftSample:
                 fragments ``(name, start, numel, index)`` (positions are computed once per key).
             device: where :attr:`last` lives when there are no pieces (default: CPU).
         """
-        m, s = self._select(pieces, device)
-        bits = s.view(torch.int16)
+        m, bits, scale_index = self._select(pieces, device)
+        if self.fp8 is None:
+            served, spacing = bits.view(torch.bfloat16).float(), bf16_spacing(m)
+        else:  # q * scale, and the E4M3 spacing at the master, times the scale
+            scale = self.fp8.flat_scales(m.device)[scale_index]
+            served, spacing = bits.view(torch.float8_e4m3fn).float() * scale, e4m3_spacing(m / scale) * scale
         last = torch.zeros(5 + self.max_lag, dtype=torch.float64, device=m.device)
         if self.previous is not None and self.previous.shape == bits.shape:
             last[0] = (self.previous != bits).sum()
         last[1] = bits.numel()
         finite = torch.isfinite(m)
-        last[2] = torch.where(finite, (s.float() - m).abs() / bf16_spacing(m), 0).double().sum()
+        last[2] = torch.where(finite, (served - m).abs() / spacing, 0).double().sum()
         last[3] = finite.sum()
         if self.ring is None or self.ring.shape[1] != m.numel():
             self.ring, self.head = torch.zeros(self.max_lag + 1, m.numel(), dtype=torch.float32, device=m.device), -1
         self.head = (self.head + 1) % (self.max_lag + 1)
         self.ring[self.head] = m
-        d = (self.ring - s.float()) ** 2
+        d = (self.ring - served) ** 2
         rows = torch.where(torch.isfinite(d), d, 0).double().sum(1)  # by ring row
         age = (self.head - torch.arange(self.max_lag + 1, device=m.device)) % (self.max_lag + 1)
         last[4:] = rows[age]  # k = 0 is now
@@ -384,9 +430,15 @@ class ExportObserver:
     def end(self, pieces) -> None:
         """The export is complete."""
 
-    def fp8(self, rescales: int) -> None:
-        """FP8 served weights (``format "fp8"``): ``rescales`` scales were set again at this export (after their
-        first: each a dense update of its channel or block; the same count on every rank)."""
+    def fp8_begin(self, fp8, pieces) -> None:
+        """FP8 served weights (``format "fp8"``): ``fp8`` (the :class:`~faircast_dist.fp8.Fp8Export`) is about to
+        cast an export (what ``pieces`` returns is what the last one served, when ``fp8.scales`` is not empty)."""
+
+    def fp8(self, fp8, pieces) -> None:
+        """FP8 served weights (``format "fp8"``): ``fp8`` (the :class:`~faircast_dist.fp8.Fp8Export`) has just cast
+        its export; ``fp8.last_rescales`` scales were set again (after their first: each a dense update of its
+        channel or block; the same count on every rank). ``pieces`` returns the FP8 pieces this rank counts
+        (``(key, master, uint8 E4M3 bits, FP8 runs)``), called only by an observer that measures."""
 
     def reset(self) -> None:
         """Forget the served model and history: the next export starts afresh."""
@@ -409,6 +461,7 @@ class DriftObserver(ExportObserver):
         self.sample, self.timer, self.device = DriftSample(stride, max_lag), ExportTimer(), device
         self._new = True
         self.rescales: int | None = None  # FP8: the last export's
+        self.fp8_sample: DriftSample | None = None  # FP8: the served FP8 copy's, from its first export
 
     def begin(self, pieces) -> None:
         if self.sample.previous is None:  # the first export (of this run or since a resume)
@@ -427,14 +480,37 @@ class DriftObserver(ExportObserver):
     def end(self, pieces) -> None:
         self.sample.observe(pieces(), device=self.device)
 
-    def fp8(self, rescales: int) -> None:
-        self.rescales = rescales
+    def fp8_begin(self, fp8, pieces) -> None:
+        if self.fp8_sample is None:
+            self.fp8_sample = DriftSample(self.sample.stride, self.sample.max_lag, fp8=fp8)
+        if self.fp8_sample.previous is None and fp8.scales:  # an earlier export (install, a load) served these bits
+            self.fp8_sample.prime(pieces(), device=self.device)
+
+    def fp8(self, fp8, pieces) -> None:
+        self.rescales = fp8.last_rescales
+        self.fp8_sample.observe(pieces(), device=self.device)
 
     def reset(self) -> None:
         self.sample.reset()
+        if self.fp8_sample is not None:
+            self.fp8_sample.reset()
 
     def reduce(self, group=None) -> dict[str, float]:
         """:func:`reduce_drift` of this rank's sample and export time (collective), and with FP8 served weights
-        ``fp8_rescales``: the scales set again at the last export."""
+        (:func:`reduce_fp8`) the FP8 copy's numbers, prefixed ``fp8_``, and ``fp8_rescales``."""
         drift = reduce_drift([self.sample], self.timer.ms(), group=group)
-        return drift if self.rescales is None else {**drift, "fp8_rescales": float(self.rescales)}
+        return {**drift, **reduce_fp8([self], group)}
+
+
+def reduce_fp8(observers: Sequence[DriftObserver], group=None) -> dict[str, float]:
+    """The FP8 served copy's drift over all ranks (collective, like :func:`reduce_drift`, when the observers have
+    seen an FP8 export; else ``{}`` on every rank): ``fp8_changed_fraction`` (sampled E4M3 elements whose bits
+    changed), ``fp8_lag_steps``, ``fp8_gap_ulps`` (mean |q * scale - master| in E4M3 spacings times the scale)
+    and ``fp8_rescales`` (the scales set again at the last export, summed over ``observers``: one per
+    optimizer)."""
+    samples = [o.fp8_sample for o in observers if o.fp8_sample is not None and o.fp8_sample.last is not None]
+    if not samples:
+        return {}
+    drift = reduce_drift(samples, group=group)
+    return {"fp8_changed_fraction": drift["changed_fraction"], "fp8_lag_steps": drift["lag_steps"],
+            "fp8_gap_ulps": drift["gap_ulps"], "fp8_rescales": float(sum(o.rescales or 0 for o in observers))}

@@ -10,6 +10,8 @@ over the TP/PP/DP ranks) and reduced over all ranks:
 ``export-cast/lag-steps``         argmin over k of ||served_t - master_{t-k}||^2
 ``export-cast/gap-ulps``          mean |served - master| in bf16 ulps
 ``export-cast/export-ms``         wall time of the export on the slowest rank (ms)
+``export-cast/fp8-*``             with ``--export-cast-format fp8``: the FP8 served copy's changed
+                                  fraction, lag steps, gap (E4M3 spacings x scale) and rescales
 ==============================  ===================================================
 
 With ``megatron_patches.activate()`` in a Megatron-LM launch script they are written at every
@@ -28,7 +30,9 @@ from faircast_dist.wraps import Wraps
 from megatron_patches import compat
 
 NAMES = {"changed_fraction": "export-cast/changed-fraction", "lag_steps": "export-cast/lag-steps",
-         "gap_ulps": "export-cast/gap-ulps", "export_ms": "export-cast/export-ms"}
+         "gap_ulps": "export-cast/gap-ulps", "export_ms": "export-cast/export-ms",
+         "fp8_changed_fraction": "export-cast/fp8-changed-fraction", "fp8_lag_steps": "export-cast/fp8-lag-steps",
+         "fp8_gap_ulps": "export-cast/fp8-gap-ulps", "fp8_rescales": "export-cast/fp8-rescales"}
 
 
 def drift_metrics(optimizer) -> dict[str, float] | None:
@@ -41,15 +45,16 @@ def drift_metrics(optimizer) -> dict[str, float] | None:
 
     Returns:
         ``{"export-cast/changed-fraction": 0..1, "export-cast/lag-steps": int,
-        "export-cast/gap-ulps": ulps, "export-cast/export-ms": ms}``; None when telemetry is off
+        "export-cast/gap-ulps": ulps, "export-cast/export-ms": ms}`` (FP8: also ``export-cast/fp8-*``); None when telemetry is off
         or nothing was exported yet (the same on every rank).
     """
-    from faircast_dist.telemetry import DriftObserver, reduce_drift
+    from faircast_dist.telemetry import DriftObserver, reduce_drift, reduce_fp8
     observers = [o for o in (getattr(getattr(leaf, "export_cast", None), "telemetry", None)
                              for leaf in compat.sub_optimizers(optimizer)) if isinstance(o, DriftObserver)]
     if not observers or observers[0].sample.last is None:
         return None
     values = reduce_drift([o.sample for o in observers], sum(o.timer.ms() for o in observers))
+    values.update(reduce_fp8(observers))
     return {NAMES[k]: v for k, v in values.items()}
 
 

@@ -267,6 +267,40 @@ def test_drift_sample_measures_changed_fraction_gap_and_lag():
     assert got["lag_steps"] == 0 and got["gap_ulps"] == pytest.approx(gap_ulps(nan.to(torch.bfloat16), nan), rel=1e-6)
 
 
+def test_fp8_drift_sample_measures_the_served_fp8_copy():
+    """With an Fp8Export the sample measures q * scale: changed E4M3 bytes, the lag, and the gap in E4M3 spacings
+    times the scale, against a plain computation on the whole tensors (spacing from frexp)."""
+    from faircast_dist import ExportCastConfig, FairCaster
+    from faircast_dist.fp8 import Fp8Export, element_scales
+    from faircast_dist.rounding import cast_fp8_nearest
+    from faircast_dist.telemetry import DriftSample, reduce_drift
+    g = torch.Generator().manual_seed(2)
+    shapes = {"a.weight": (10, 100), "b.weight": (20, 100)}
+    fp8 = Fp8Export(FairCaster(ExportCastConfig.from_value({"mode": "fair", "format": "fp8"})), shapes)
+    fp8.scales = {n: torch.rand(shape[0], 1, generator=g) * 0.01 + 0.001 for n, shape in shapes.items()}
+    scale = torch.cat([element_scales(fp8.scales[n], fp8.layout.scale_index(shape, 0, shape[0] * shape[1]))
+                       for n, shape in shapes.items()])
+    masters = [torch.randn(3000, generator=g)]
+    masters[0][:50] *= 1e-4  # the subnormal grid of E4M3
+    for _ in range(8):
+        masters.append(masters[-1] + 0.05 * torch.randn(3000, generator=g))
+    rows = [("a.weight", 0, 1000, 0), ("b.weight", 1000, 2000, 0)]
+    drift = DriftSample(stride=1, max_lag=5, fp8=fp8)
+    served = [cast_fp8_nearest(m, scale) for m in masters]
+    for t, m in enumerate(masters):
+        q = served[max(t - 2, 0)]  # two exports behind
+        drift.observe([("buf", m, q.view(torch.uint8), rows)])
+        got = reduce_drift([drift])
+        y = torch.clamp((m / scale).abs(), max=448)
+        spacing = torch.ldexp(torch.ones(3000), torch.clamp(torch.frexp(y).exponent - 1, min=-6) - 3) * scale
+        assert got["gap_ulps"] == pytest.approx(((q.float() * scale - m).abs() / spacing).mean().item(), rel=1e-6)
+        assert got["lag_steps"] == min(t, 2)
+        before = served[max(t - 3, 0)].view(torch.uint8)
+        want = (before != q.view(torch.uint8)).float().mean().item() if t else 0.0
+        assert got["changed_fraction"] == pytest.approx(want, rel=1e-6)
+    assert got["gap_ulps"] > 1  # two exports behind
+
+
 def test_drift_sample_primed_resume_reports_what_the_uninterrupted_run_does():
     """A run resumed at export 4 (a fresh DriftSample primed with the served model it loaded)
     reports the same changed_fraction and gap_ulps as the uninterrupted run; primed at the start,

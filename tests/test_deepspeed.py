@@ -330,6 +330,33 @@ def test_drift_telemetry_reaches_deepspeed_csv_monitor(path, sample, tmp_path):
     assert all(v == 0 for v in series["lag_steps"])  # SR at lr 1e-3 keeps up
 
 
+def test_fp8_drift_telemetry_reaches_deepspeed_csv_monitor(tmp_path):
+    """With ``format "fp8"`` the monitor also gets the FP8 copy's numbers (``fp8_changed_fraction``, ``fp8_lag_steps``,
+    ``fp8_gap_ulps``, ``fp8_rescales``): those of one FP8 DriftSample fed the gathered FP8 model, its scales and
+    the masters, from the install-time cast on (ZeRO-2, DP 2, block scales)."""
+    from faircast_dist import ExportCastConfig, FairCaster
+    from faircast_dist.fp8 import Fp8Export
+    from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
+    config = FP8["dithered_block"]
+    rank0 = run(2, path="zero2", export_cast=config, steps=3, monitor_dir=str(tmp_path), monitor_sample=300)[0]
+    series = monitor_series(tmp_path)
+    assert all(len(series[k]) == 3 for k in ("fp8_changed_fraction", "fp8_lag_steps", "fp8_gap_ulps", "fp8_rescales"))
+    snaps = rank0["fp8"]  # the install-time export, then one per step
+    shapes = {n: m.shape for n, m in snaps[0]["masters"].items()}
+    fp8 = Fp8Export(FairCaster(ExportCastConfig.from_value(config)), shapes)
+    whole = DriftSample(sample_stride(sum(m.numel() for m in snaps[0]["masters"].values()), 300), fp8=fp8)
+    for t, snap in enumerate(snaps):
+        fp8.scales = {n: snap["served"][fp8.scale_name(n)] for n in fp8.shapes}
+        whole.observe([(n, snap["masters"][n].reshape(-1), snap["served"][n].view(torch.uint8).reshape(-1),
+                        [(n, 0, snap["masters"][n].numel(), 0)]) for n in fp8.shapes])
+        if t:
+            want = reduce_drift([whole])
+            for what in ("changed_fraction", "gap_ulps"):
+                assert series[f"fp8_{what}"][t - 1] == pytest.approx(want[what], rel=1e-6), (t, what)
+            assert series["fp8_lag_steps"][t - 1] == want["lag_steps"], t
+    assert series["fp8_changed_fraction"][0] > 0  # the first step's change from the install-time cast
+
+
 def test_round_robin_gradients_is_refused():
     with pytest.raises(Exception, match="round_robin_gradients"):
         run(2, export_cast=SR, steps=1, zero_extra={"round_robin_gradients": True})

@@ -436,6 +436,30 @@ def test_fp8_telemetry_counts_the_rescales(name, records):
     assert steps[0]["drift"]["export_cast/fp8_rescales"] == 0  # the first export sets every scale: no rescale
 
 
+@pytest.mark.parametrize("name", FP8_RESUMED)
+def test_fp8_drift_telemetry_equals_the_gathered_model(name, records):
+    """``export_cast/fp8_changed_fraction``, ``fp8_lag_steps`` and ``fp8_gap_ulps`` at each step are those of one
+    FP8 DriftSample fed the whole gathered FP8 model, its scales and the masters (each rank measured its own
+    shards), and differ from the bf16 copy's."""
+    from faircast_dist import FairCaster
+    from faircast_dist.fp8 import Fp8Export
+    from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
+    steps = get(records, "fsdp2", "fp8_train", name)["steps"]
+    first = steps[0]["masters"]
+    fp8 = Fp8Export(FairCaster(ExportCastConfig.from_value(FP8[name])), {n: m.shape for n, m in first.items()})
+    sample = DriftSample(sample_stride(sum(m.numel() for m in first.values()), 300), fp8=fp8)  # the job's sample
+    assert sample.stride > 1
+    for k, step in enumerate(steps):
+        fp8.scales = {n: step["served"][fp8.scale_name(n)] for n in fp8.shapes}
+        sample.observe([(n, step["masters"][n].reshape(-1), step["served"][n].view(torch.uint8).reshape(-1),
+                         [(n, 0, step["masters"][n].numel(), 0)]) for n in fp8.shapes])
+        want, got = reduce_drift([sample]), step["drift"]
+        for what in ("changed_fraction", "gap_ulps"):
+            assert got[f"export_cast/fp8_{what}"] == pytest.approx(want[what], rel=1e-9), (k, what)
+        assert got["export_cast/fp8_lag_steps"] == want["lag_steps"], k
+    assert steps[-1]["drift"]["export_cast/fp8_changed_fraction"] != steps[-1]["drift"]["export_cast/changed_fraction"]
+
+
 def test_fp8_from_a_bf16_checkpoint_warns_and_sets_scales_afresh(records):
     rec = get(records, "fsdp2", "fp8_from_bf16")
     assert any("no FP8 export state" in w for w in rec["warnings"]), rec["warnings"]

@@ -531,8 +531,17 @@ def test_fp8_bad_rows_and_arguments_are_named():
         fused.cast_fp8("nearest", x, out, [(0, 0, 10, 0, 0, 0, 0, 5, 2)], scales)  # block columns != ceil(5/128)
     with pytest.raises(ValueError, match="bad scale columns"):
         fused.fp8_absmax(x, [(0, 0, 10, 0, 0, 0, 4, 10, 1)], scales)  # the one block's scale at 4: past 4 scales
+    with pytest.raises(ValueError, match="bad scale columns"):  # offset + last scale wraps past 2**63
+        fused.fp8_absmax([torch.ones(2)], [(0, 0, 2, 2**62 - 1, 0, 0, 2**62, 1, 0)], torch.zeros(4))
+    for start in (-0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="absmax must hold values >="):
+            fused.fp8_absmax(x, [], torch.tensor([0.0, start]))
     with pytest.raises(ValueError, match=r"out of range"):
         fused.cast_fp8("nearest", x, out, [(0, 5, 10, 0, 0, 0, 0, 10, 0)], scales)
+    with pytest.raises(ValueError, match="method must be one of"):
+        fused.cast_fp8(None, x, out, [], scales)
+    with pytest.raises(TypeError, match="scales must be a contiguous 1-D float32 tensor"):
+        fused.cast_fp8("nearest", x, out, [], [1.0, 1.0])
     with pytest.raises(ValueError, match="method must be one of"):
         fused.cast_fp8("dithered", x, out, [], scales)
     with pytest.raises(ValueError, match="via_bf16 is for method 'nearest'"):

@@ -50,6 +50,7 @@ PRODUCTION = {(1, 1, 2, True): {"overlap": OVERLAP},
 REBUILT = [(1, 1, 2, True), (1, 1, 2, False)]
 SERVED = {(1, 1, 2, True): OVERLAP, (1, 2, 1, False): None, (2, 1, 1, True): None}  # layout: production flags  # layouts whose bf16 model is offloaded and rebuilt
 TELEMETRY = {(1, 1, 2, True): 300, (2, 2, 1, False): 300, (1, 1, 2, False): 65536}  # layout: sample size
+FP8_TELEMETRY = (2, 2, 1, False)  # FP8 drift telemetry: row-parallel channels span the TP ranks
 # MoE with expert parallelism: (TP, PP, DP, DistOpt, EP, expert TP); the first is the reference. Each
 # shares the launch of its dense layout (TP, PP, DP, DistOpt), which is initialized with this EP and
 # expert TP (dense jobs do not see them). 4 experts, top-2 (megatron_worker.MOE); TP > 1 with
@@ -128,6 +129,8 @@ def _jobs(layout):
                                save_after=SAVE_AFTER, sharding="fully_reshardable")
     if layout in TELEMETRY:
         jobs["telemetry"] = dict(export_cast=SR, distopt=distopt, steps=3, telemetry=TELEMETRY[layout])
+    if layout == FP8_TELEMETRY:
+        jobs["fp8_telemetry"] = dict(export_cast=FP8["dithered"], distopt=distopt, steps=3, telemetry=300)
     if layout == (1, 1, 2, True):  # Megatron-LM's logging path (stand-ins for megatron.training); last:
         lm = ["--bf16", "--export-cast", "fair", "--export-cast-seed", "7", "--log-interval", "3",
               "--tensorboard-log-interval", "2"]  # scalars follow Megatron's: every 2, not every 3
@@ -651,6 +654,34 @@ def test_megatron_lm_logs_drift_at_tensorboard_log_interval_to_tensorboard_and_w
     for off in ("lm_no_writer", "lm_flag_off"):  # nothing measured, nothing written
         assert records[off]["written"] == [] and records[off]["drift_on"] == [False], off
     assert records["lm_flag_off"]["installed"] == ["DistributedOptimizer"]  # Fair Cast itself stays on
+
+
+def test_fp8_drift_telemetry_equals_the_gathered_model():
+    """``export-cast/fp8-*`` (TP 2, PP 2, Float16): the FP8 copy's changed fraction, lag and gap are those of one FP8
+    DriftSample fed the gathered FP8 model, its scales and the masters from the install-time cast on; the
+    rescales are the reference's."""
+    from faircast_dist import ExportCastConfig, FairCaster
+    from faircast_dist.fp8 import Fp8Export
+    from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
+    record = layout_run(FP8_TELEMETRY)["fp8_telemetry"]
+    assert "error" not in record, record.get("error")
+    snaps = record["fp8"]  # the install-time export, then one per step
+    first = snaps[0]["masters"]
+    fp8 = Fp8Export(FairCaster(ExportCastConfig.from_value(FP8["dithered"])), {n: m.shape for n, m in first.items()})
+    whole = DriftSample(sample_stride(sum(m.numel() for m in first.values()), 300), fp8=fp8)
+    assert len(record["drift"]) == 3 and whole.stride > 1
+    for t, snap in enumerate(snaps):
+        fp8.scales = {n: snap["served"][fp8.scale_name(n)] for n in fp8.shapes}
+        whole.observe([(n, snap["masters"][n].reshape(-1), snap["served"][n].view(torch.uint8).reshape(-1),
+                        [(n, 0, snap["masters"][n].numel(), 0)]) for n in fp8.shapes])
+        if t:
+            want, got = reduce_drift([whole]), record["drift"][t - 1]
+            for what in ("changed_fraction", "gap_ulps"):
+                assert got[f"export-cast/fp8-{what.replace('_', '-')}"] == pytest.approx(want[what], rel=1e-9), (t, what)
+            assert got["export-cast/fp8-lag-steps"] == want["lag_steps"], t
+            assert got["export-cast/fp8-rescales"] == sum(int((snap["served"][n] != snaps[t - 1]["served"][n]).sum())
+                                                          for n in snap["served"] if n.endswith("_scale"))
+    assert record["drift"][0]["export-cast/fp8-changed-fraction"] > 0  # from the install-time cast
 
 
 # -- FP8 served weights ------------------------------------------------------------------------------

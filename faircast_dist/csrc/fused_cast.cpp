@@ -323,7 +323,7 @@ void check_fp8_rows(const Tiles& tiles, int64_t segments, int64_t num_scales) {
     if (n == 0) continue;
     const int64_t last = row[C_NBK] == 0 ? g1 / K : (g1 / K / 128) * row[C_NBK] + (K - 1) / 128;
     TORCH_CHECK(row[C_NBK] == 0 || row[C_NBK] == (K + 127) / 128, "segment row ", s, ": block columns must be ceil(K / 128)");
-    TORCH_CHECK(row[C_SCALE] + last < num_scales, "segment row ", s, " reaches past the scales");
+    TORCH_CHECK(last < num_scales - row[C_SCALE], "segment row ", s, " reaches past the scales");  // (no overflow)
   }
 }
 
