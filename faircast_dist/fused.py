@@ -423,11 +423,12 @@ def _check_fp8_rows(table: torch.Tensor, num_scales: int) -> None:
 
 
 def _fp8_rows_reference(table: torch.Tensor):
-    """``(tensor, start, numel, index, k0, k1, scale index of each element)`` per FP8 row (the reference backend)."""
-    from faircast_dist.fp8 import Fp8Layout
+    """``(tensor, start, numel, index, k0, k1, scale index of each element)`` per FP8 row (the reference backend;
+    the layout of :class:`faircast_dist.fp8.Fp8Layout`: channel ``g // K``, block ``(g // K // 128, g % K // 128)``)."""
     for tensor, start, numel, index, k0, k1, offset, k, nbk in table.tolist():
-        layout = Fp8Layout("block" if nbk else "channel")
-        yield tensor, start, numel, index, k0, k1, offset + layout.scale_index((1, k), index, numel)
+        g = torch.arange(index, index + numel, dtype=torch.int64, device="cpu")
+        row = g // k
+        yield tensor, start, numel, index, k0, k1, offset + (row if nbk == 0 else (row // 128) * nbk + g % k // 128)
 
 
 def fp8_absmax(masters: Sequence[torch.Tensor], segments, absmax: torch.Tensor,
@@ -469,15 +470,14 @@ def fp8_absmax(masters: Sequence[torch.Tensor], segments, absmax: torch.Tensor,
         from faircast_dist import fused_triton
         fused_triton.fp8_absmax(list(masters), table, absmax, residuals, via_bf16)
     else:
-        from faircast_dist.fp8 import partial_absmax
         for tensor, start, numel, _, _, _, sidx in _fp8_rows_reference(table):
             y = masters[tensor].narrow(0, start, numel)
             if residuals is not None:
                 y = y + residuals[tensor].narrow(0, start, numel)
             elif via_bf16:
                 y = y.to(torch.bfloat16).float()
-            part = partial_absmax(y, sidx.to(y.device), absmax.numel())
-            torch.maximum(absmax, part.to(absmax.device), out=absmax)
+            a = torch.where(torch.isfinite(y), y.abs(), torch.zeros((), dtype=y.dtype, device=y.device))
+            absmax.scatter_reduce_(0, sidx.to(absmax.device), a.to(absmax.device), reduce="amax")
 
 
 def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], segments,

@@ -22,16 +22,22 @@ import torch
 
 from faircast_dist import Method
 
-METHODS = tuple(m.value for m in Method)  # nearest, stochastic, error_feedback, dithered: the arms
+METHODS = tuple(m.value for m in Method)  # nearest, stochastic, error_feedback, dithered: the bf16 arms
+#: the FP8 arms (``"format": "fp8"``, per-channel E4M3 scales, served beside the bf16 copy: docs/fp8.md) and the
+#: bf16 arm whose export serves the params they leave in bf16 (embeddings, norms, the head)
+FP8_ARMS = {"fp8_nearest": "nearest", "fp8_dithered": "dithered"}
+ARMS = METHODS + tuple(FP8_ARMS)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
 def export_cast_config(method: str, seed: int) -> dict:
-    """The ``export_cast`` config dict of a method name in :data:`METHODS` (seed: int64)."""
+    """The ``export_cast`` config dict of an arm in :data:`ARMS` (seed: int64)."""
+    if method in FP8_ARMS:
+        return {**export_cast_config(FP8_ARMS[method], seed), "format": "fp8"}
     if method not in METHODS:
-        raise ValueError(f"unknown export method {method!r}; expected one of {METHODS}")
+        raise ValueError(f"unknown export method {method!r}; expected one of {ARMS}")
     if method == "nearest":
         return {"mode": "nearest"}
     return {"mode": "fair", "method": method, "seed": seed}
@@ -96,7 +102,11 @@ def collate(pairs):
 
 # ----------------------------------------------------------------------------- telemetry
 class Exports:
-    """Rank 0: the side-by-side exports (one per :data:`METHODS`) of the gathered master, with their telemetry.
+    """Rank 0: the side-by-side exports (one per :data:`ARMS`) of the gathered master, with their telemetry.
+
+    The FP8 arms (:data:`FP8_ARMS`) export the FP8 copy of the 2-D linear weights only (``ExportState.export_fp8``,
+    the fused FP8 kernels), cast once from the first master as at an adapter's install; their rows measure that
+    copy (see :meth:`step`) and their log-prob gap is the model served with it (other params: the bf16 arm's).
 
     Args:
         names: canonical parameter names (the trainer's), in a fixed order.
@@ -134,6 +144,8 @@ class Exports:
                                  f"got {mask.dtype} {tuple(mask.shape)}")
         self.numel = sum(self._count(n, master0[n]) for n in self.names)
         self.states = {m: ExportState(export_cast_config(m, seed), replays=False) for m in METHODS}  # the core
+        shapes = {n: tuple(master0[n].shape) for n in self.names}
+        self.states.update({a: ExportState(export_cast_config(a, seed), replays=False, shapes=shapes) for a in FP8_ARMS})
         self.served = {m: {n: master0[n].to(torch.bfloat16) for n in self.names} for m in METHODS}
         # each method's next export is written into its spare set, which then swaps with the served
         # one: like a trainer's bf16 buffers, allocated once, so the export column times the cast only
@@ -152,6 +164,16 @@ class Exports:
         sample0 = self.sample(master0)
         for tracker in self.lag.values():  # step 0: the trainer serves master_0 (it starts on the bf16 grid)
             tracker.update(sample0, sample0)
+        self.fp8_names = [n for n in self.names if n in self.states[next(iter(FP8_ARMS))].fp8.shapes]
+        self.fp8_numel = sum(self._count(n, master0[n]) for n in self.fp8_names)
+        self.fp8_served = {}  # arm: ({name: E4M3 weight}, {name: fp32 scales}) served now
+        for arm, base in FP8_ARMS.items():  # the install-time cast of master_0
+            state, shards = self.states[arm], self._shards(master0, self.spare[base])
+            state.export_fp8(shards, None)
+            self.fp8_served[arm] = state.full_fp8(shards, None), {n: t.clone() for n, t in state.fp8.scales.items()}
+            self.lag[arm] = LagTracker(max(self.fp8_numel, 1), lag_sample, max_lag, seed=0)
+            self.lag[arm].update(self.sample(master0, self.fp8_names),
+                                 self.sample(self._dequantized(*self.fp8_served[arm]), self.fp8_names))
         self.eval_model, (self.eval_ids, self.eval_labels) = eval_model, eval_batch
         self.to_eval = to_eval or (lambda params: params)
         self.load_ms = self._load_kernels(master0[self.names[0]].device)
@@ -179,19 +201,34 @@ class Exports:
         :class:`~faircast_dist.export.ExportState`) into ``out`` (``{name: bfloat16 tensor}``,
         preallocated like a trainer's bf16 params): one fused multi-tensor call over every param, as
         a trainer's own export is, then the export step advances; returns ``out``."""
+        state.export(self._shards(master, out))
+        return out
+
+    def _shards(self, master, out) -> list:
+        """One :class:`~faircast_dist.export.Shard` per param: the whole master, served into ``out``."""
         from faircast_dist.export import Shard
         shards = []
         for n in self.names:
             m = master[n].contiguous().view(-1)
             shards.append(Shard(n, m, out[n].view(-1), [(n, 0, m.numel(), 0)]))
-        state.export(shards)
-        return out
+        return shards
+
+    @staticmethod
+    def _dequantized(weights, scales) -> dict:
+        """``{name: q * scale}`` (float32) of FP8 weights and their (channel) scales."""
+        return {n: q.float() * scales[n] for n, q in weights.items()}
+
+    def _changed(self, deltas) -> int:
+        """Counted elements among the changed ones of ``deltas`` (``(name, index, values)``)."""
+        return sum(int(self.counted[n].reshape(-1)[index.long()].sum()) if n in self.counted else len(index)
+                   for n, index, _ in deltas)
 
     def _count(self, name, tensor) -> int:
         return int(self.counted[name].sum()) if name in self.counted else tensor.numel()
 
-    def sample(self, tensors):
-        return torch.cat([tensors[n].reshape(-1)[self.local[n]] for n in self.names])
+    def sample(self, tensors, names=None):
+        """The sampled elements of ``tensors`` (``{name: tensor}``) of ``names`` (default: every param), float32."""
+        return torch.cat([tensors[n].reshape(-1)[self.local[n]].float() for n in (self.names if names is None else names)])
 
     @torch.no_grad()
     def logits(self, params):
@@ -210,7 +247,12 @@ class Exports:
             a bf16 value each, as a % of a full sync's 2 bytes per counted element), lag_steps
             (int), gap_ulps (mean |served - master| in bf16 ulps), logp_gap (nats/token), kl
             (nats/token), export_ms (wall ms of the export: one fused call, kernels loaded, at
-            ``export_threads``)}}``.
+            ``export_threads``)}}``; for the FP8 arms (:data:`FP8_ARMS`) the same keys of the FP8 copy of the
+            2-D linear weights: changed_pct of its elements (E4M3 bits), delta_pct (an int32 index and an
+            E4M3 byte per change, plus the changed fp32 scales, as a % of a full FP8 sync of those weights
+            and scales), lag_steps and gap_ulps on their sampled elements (q * scale; the gap in E4M3 spacings
+            times the scale), the log-prob gap and KL of the model served with them (the other params: the
+            bf16 arm's, :data:`FP8_ARMS`) and export_ms of the FP8 cast alone (absmax, scales, cast).
         """
         from faircast_dist.delta import diff, payload_bytes
         from faircast_dist.telemetry import gap_ulps, logprob_gap
@@ -232,8 +274,7 @@ class Exports:
             finally:
                 torch.set_num_threads(threads)
             deltas = [(n, *diff(self.served[m][n], served[n])) for n in self.names]
-            changed = sum(int(self.counted[n].reshape(-1)[index.long()].sum()) if n in self.counted else len(index)
-                          for n, index, _ in deltas)
+            changed = self._changed(deltas)
             served_sample = self.sample(served)
             logp_gap, kl = logprob_gap(master_logits, self.logits(served)[0], targets.clamp_min(0), mask)
             rows[m] = dict(changed_pct=100 * changed / self.numel,
@@ -242,7 +283,41 @@ class Exports:
                            gap_ulps=gap_ulps(served_sample, master_sample), logp_gap=logp_gap, kl=kl,
                            export_ms=export_ms)
             self.served[m], self.spare[m] = served, self.served[m]
-        return {m: rows[m] for m in METHODS}
+        for arm, base in FP8_ARMS.items():
+            rows[arm] = self._fp8_step(arm, base, master, master_sample, master_logits, targets, mask)
+        return {m: rows[m] for m in ARMS}
+
+    def _fp8_step(self, arm, base, master, master_sample, master_logits, targets, mask) -> dict:
+        """One export of an FP8 arm and its row (see :meth:`step`), after the bf16 arms' of this step."""
+        from faircast_dist.delta import diff, payload_bytes
+        from faircast_dist.telemetry import e4m3_spacing, logprob_gap
+        state = self.states[arm]
+        shards = self._shards(master, self.spare[base])  # (export_fp8 writes only its own FP8 buffers)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.export_threads)
+        try:
+            t0 = time.perf_counter()
+            state.export_fp8(shards, None)
+            export_ms = 1e3 * (time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(threads)
+        state.caster.advance()
+        weights, scales = state.full_fp8(shards, None), {n: t.clone() for n, t in state.fp8.scales.items()}
+        old_weights, old_scales = self.fp8_served[arm]
+        self.fp8_served[arm] = weights, scales
+        deltas = [(n, *diff(old_weights[n], weights[n])) for n in self.fp8_names]
+        sent = deltas + [(n, *diff(old_scales[n], scales[n])) for n in self.fp8_names]
+        full = sum(weights[n].numel() + 4 * scales[n].numel() for n in self.fp8_names)
+        dequantized = self._dequantized(weights, scales)
+        m, q = self.sample(master, self.fp8_names), self.sample(dequantized, self.fp8_names)
+        s = torch.cat([scales[n].reshape(-1)[state.fp8.layout.scale_index(state.fp8.shapes[n], self.local[n])]
+                       for n in self.fp8_names])
+        gap = (q - m).abs() / (e4m3_spacing(m / s) * s)
+        served = {n: dequantized.get(n, self.served[base][n]) for n in self.names}
+        logp_gap, kl = logprob_gap(master_logits, self.logits(served)[0], targets.clamp_min(0), mask)
+        return dict(changed_pct=100 * self._changed(deltas) / max(self.fp8_numel, 1),
+                    delta_pct=100 * payload_bytes(sent) / full, lag_steps=self.lag[arm].update(m, q),
+                    gap_ulps=gap[torch.isfinite(gap)].mean().item(), logp_gap=logp_gap, kl=kl, export_ms=export_ms)
 
 
 def summarize(records, trainer_cast, out_dir, trainer_matches: bool, notes: tuple[str, ...] = (),
@@ -273,11 +348,14 @@ def summarize(records, trainer_cast, out_dir, trainer_matches: bool, notes: tupl
     print(f"\nSummary over {records[-1]['step']} steps (mean per step; lag = last step):")
     head = f"{'method':<16}{'changed %':>11}{'delta % full':>14}{'lag steps':>11}{'gap ulps':>10}{'|dlogp|/tok':>13}{'KL/tok':>11}{'export ms':>11}"
     print(head + "\n" + "-" * len(head))
-    for m in METHODS:
+    for m in ARMS:
         rs = [r for r in records if r["method"] == m]
         mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
         print(f"{m:<16}{mean('changed_pct'):>11.3f}{mean('delta_pct'):>14.3f}{rs[-1]['lag_steps']:>11d}{mean('gap_ulps'):>10.3f}"
               f"{mean('logp_gap'):>13.2e}{mean('kl'):>11.2e}{mean('export_ms'):>11.1f}")
+    print("fp8_* rows: the FP8 E4M3 copy (per-channel scales) of the 2-D linear weights, served beside the bf16 one: "
+          "changed % / delta % / lag / gap (E4M3 spacings x scale) of those weights; log-prob gap of the model "
+          "served with them")
     print(f"The trainer's own bf16 weights used: {trainer_cast}")
     print(f"Trainer's bf16 model bit-identical to the side-by-side {trainer_cast} export at every step: "
           f"{trainer_matches}")
@@ -287,7 +365,7 @@ def summarize(records, trainer_cast, out_dir, trainer_matches: bool, notes: tupl
     for ax, (key, label) in zip(axes.flat, [("changed_pct", "% served weights changed"), ("lag_steps", "lag (steps)"),
                                             ("gap_ulps", "gap |served - master| (ulps)"),
                                             ("logp_gap", "mean |log p_master - log p_served| per token")]):
-        for m in METHODS:
+        for m in ARMS:
             rs = [r for r in records if r["method"] == m]
             ax.plot([r["step"] for r in rs], [r[key] for r in rs], marker=".", label=m)
         ax.set_title(label)

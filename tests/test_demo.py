@@ -23,14 +23,22 @@ def test_demo_runs_and_trainer_matches_its_side_by_side_export(trainer_cast, tmp
     assert f"bit-identical to the side-by-side {trainer_cast} export at every step: True" in out
     with open(tmp_path / "telemetry.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["step"], r["method"]) for r in rows] == [
-        (str(s), m) for s in (1, 2, 3) for m in ("nearest", "stochastic", "error_feedback", "dithered")]
+    arms = ("nearest", "stochastic", "error_feedback", "dithered", "fp8_nearest", "fp8_dithered")
+    assert [(r["step"], r["method"]) for r in rows] == [(str(s), m) for s in (1, 2, 3) for m in arms]
     assert all(float(r["gap_ulps"]) >= 0 and 0 <= float(r["changed_pct"]) <= 100 for r in rows)
     # delta payload: an int32 index and a bf16 value (6 bytes) per changed element vs 2 bytes per element
-    assert all(float(r["delta_pct"]) == pytest.approx(3 * float(r["changed_pct"]), rel=1e-9) for r in rows)
+    assert all(float(r["delta_pct"]) == pytest.approx(3 * float(r["changed_pct"]), rel=1e-9)
+               for r in rows if not r["method"].startswith("fp8"))
+    # FP8: an int32 index and an E4M3 byte (5 bytes) per changed element vs 1 byte per element, plus 8 bytes per
+    # changed scale against 4 per scale (so at most 1 + 4 / K times 5x changed: K >= 64 here)
+    fp8 = [r for r in rows if r["method"].startswith("fp8")]
+    assert all(5 * float(r["changed_pct"]) <= float(r["delta_pct"]) * 1.1 for r in fp8)
+    assert all(0 < float(r["gap_ulps"]) and float(r["logp_gap"]) > 0 for r in fp8)
+    assert [int(r["lag_steps"]) for r in fp8 if r["method"] == "fp8_dithered"][-1] == 0  # dithered FP8 keeps up
     assert os.path.getsize(tmp_path / "telemetry.png") > 10_000
-    for m in ("nearest", "stochastic", "error_feedback", "dithered"):
+    for m in arms:
         assert any(line.startswith(m) for line in out.splitlines())
+    assert "fp8_* rows: the FP8 E4M3 copy" in out
 
 
 def test_device_cuda_without_a_gpu_is_a_clear_error():

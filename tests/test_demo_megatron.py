@@ -28,14 +28,14 @@ def test_megatron_demo_runs_and_trainer_matches_its_side_by_side_export(method, 
     assert "Trainer's own telemetry (megatron_patches.drift_metrics" in out
     with open(tmp_path / "telemetry.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["step"], r["method"]) for r in rows] == [
-        (str(s), m) for s in (1, 2) for m in ("nearest", "stochastic", "error_feedback", "dithered")]
+    arms = ["nearest", "stochastic", "error_feedback", "dithered", "fp8_nearest", "fp8_dithered"]
+    assert [(r["step"], r["method"]) for r in rows] == [(str(s), m) for s in (1, 2) for m in arms]
     assert all(float(r["gap_ulps"]) >= 0 and 0 <= float(r["changed_pct"]) <= 100 for r in rows)
     assert any(float(r["changed_pct"]) > 0 for r in rows) and all(float(r["loss"]) > 0 for r in rows)
     assert os.path.getsize(tmp_path / "telemetry.png") > 10_000
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("method") and "changed %" in line)
-    assert [line.split()[0] for line in lines[header + 2:header + 6]] == ["nearest", "stochastic", "error_feedback", "dithered"]
+    assert [line.split()[0] for line in lines[header + 2:header + 8]] == arms
     assert "delta % full" in lines[header]
 
 
