@@ -127,6 +127,15 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 CPU_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 CPU_LDFLAGS = ("-fopenmp",)
+#: replaces ``native`` in ``-march`` (e.g. ``x86-64-v3`` or ``znver3``: AVX2 code, for the oldest nodes of a cluster
+#: that shares one build, or to measure an AVX2 build on an AVX-512 host with ``scripts/bench_export.py``)
+MARCH_ENV = "FAIRCAST_CPU_MARCH"
+
+
+def cpu_cflags() -> tuple[str, ...]:
+    """The CPU kernel's compiler flags: :data:`CPU_CFLAGS`, with ``FAIRCAST_CPU_MARCH`` (when set) for ``native``."""
+    march = os.environ.get(MARCH_ENV)
+    return tuple(f"-march={march}" if flag == "-march=native" and march else flag for flag in CPU_CFLAGS)
 #: seconds to wait for another process's build of the CPU kernel before giving up on it
 LOCK_WAIT_ENV, LOCK_WAIT_S = "FAIRCAST_BUILD_LOCK_WAIT_S", 600.0
 
@@ -134,7 +143,7 @@ LOCK_WAIT_ENV, LOCK_WAIT_S = "FAIRCAST_BUILD_LOCK_WAIT_S", 600.0
 def cpu_build_key(source: bytes) -> str:
     """The CPU kernel's cache key: what makes one build differ from another.
 
-    The C++ source, the compiler flags, torch's and Python's versions, torch's install folder
+    The C++ source, the compiler flags (:func:`cpu_cflags`), torch's and Python's versions, torch's install folder
     (the build's include paths: ninja rebuilds when they change, so two venvs sharing one build
     would rebuild it over each other) and the host CPU's feature flags (``-march=native``: nodes
     sharing a home directory may differ). Every checkout and branch with the same key shares one
@@ -148,7 +157,7 @@ def cpu_build_key(source: bytes) -> str:
             cpu += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    build = (CPU_CFLAGS, CPU_LDFLAGS, torch.__version__, sys.version, os.path.dirname(torch.__file__), cpu)
+    build = (cpu_cflags(), CPU_LDFLAGS, torch.__version__, sys.version, os.path.dirname(torch.__file__), cpu)
     parts = [source, repr(build).encode()]
     return hashlib.sha1(b"\0".join(parts)).hexdigest()[:16]
 
@@ -186,7 +195,7 @@ def _cpu_module():
                 if not _take_turn(turn, build):
                     return None
                 _CPU["module"] = load(name=f"faircast_fused_cast_cpu_{key}", sources=[src], build_directory=build,
-                                      extra_cflags=list(CPU_CFLAGS), extra_ldflags=list(CPU_LDFLAGS))
+                                      extra_cflags=list(cpu_cflags()), extra_ldflags=list(CPU_LDFLAGS))
         except Exception as err:  # no compiler, no ninja, or a failed build: the reference still works
             warnings.warn(f"faircast: the fused CPU cast kernel could not be built ({type(err).__name__}: {err}); "
                           "falling back to the plain-torch reference casts (same bits, slower)", RuntimeWarning)

@@ -341,6 +341,9 @@ def test_cpu_build_key_covers_source_flags_and_versions(monkeypatch):
     monkeypatch.setattr(fused, "CPU_CFLAGS", ("-O2",))
     assert fused.cpu_build_key(b"src") != key
     monkeypatch.undo()
+    monkeypatch.setenv(fused.MARCH_ENV, "x86-64-v3")  # an AVX2 build of the same source
+    assert "-march=x86-64-v3" in fused.cpu_cflags() and fused.cpu_build_key(b"src") != key
+    monkeypatch.undo()
     monkeypatch.setattr(torch, "__file__", "/another/venv/torch/__init__.py")  # another venv's torch
     assert fused.cpu_build_key(b"src") != key
 

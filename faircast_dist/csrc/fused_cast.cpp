@@ -82,7 +82,24 @@ void sr_run(const uint32_t* __restrict x, const uint16_t* __restrict r, uint16_t
   }
 }
 
+// Branch-free selects (bit masks): gcc if-converts these loops for AVX-512 (masked moves) but not for AVX2,
+// where the same loops with ?: stayed scalar ("control flow in loop", -fopt-info-vec); written this way they
+// vectorise on both.
+inline uint32_t sel(bool c, uint32_t a, uint32_t b) { const uint32_t m = 0u - (uint32_t)c; return (a & m) | (b & ~m); }
+inline float self(bool c, float a, float b) { return u2f(sel(c, f2u(a), f2u(b))); }
+
 // Error feedback (rounding.py: cast_error_feedback): y = x + e; q = RTN(y); e = y - q.
+// y saturates at bf16 max (a finite y above it, or +-Inf from a finite x + e, becomes +-BF16_MAX; NaN passes).
+inline float ef_y(float xi, float e) {
+  const float y = self(e == 0.0f, xi, xi + e);  // -0 + 0 would give +0: keep the master's sign
+  const uint32_t yb = f2u(y);
+  const bool over = ((yb & MAG) > f2u(BF16_MAX)) & ((yb & MAG) <= INF);
+  return u2f(sel(over, (yb & SIGN) | f2u(BF16_MAX), yb));
+}
+inline uint16_t bf16_bits(uint32_t b) {  // RTN of a finite or infinite pattern; NaN a quiet NaN with its sign
+  return (uint16_t)sel((b & MAG) > INF, nonfinite16(b), rtn16(b));
+}
+
 template <typename Res>
 void ef_run(const float* __restrict x, Res* __restrict res, uint16_t* __restrict out, int64_t n);
 
@@ -92,12 +109,10 @@ void ef_run<float>(const float* __restrict x, float* __restrict res, uint16_t* _
     const float xi = x[i], e = res[i];
     const uint32_t xb = f2u(xi);
     const bool finite = (xb & MAG) < INF;
-    float y = e == 0.0f ? xi : xi + e;  // -0 + 0 would give +0: keep the master's sign
-    y = y > BF16_MAX ? BF16_MAX : (y < -BF16_MAX ? -BF16_MAX : y);  // saturate; NaN passes
-    const uint32_t yb = f2u(y);
-    const uint16_t q = (yb & MAG) > INF ? nonfinite16(yb) : rtn16(yb);
-    out[i] = finite ? q : nonfinite16(xb);
-    res[i] = finite ? y - u2f((uint32_t)q << 16) : e;
+    const float y = ef_y(xi, e);
+    const uint16_t q = bf16_bits(f2u(y));
+    out[i] = (uint16_t)sel(finite, q, nonfinite16(xb));
+    res[i] = self(finite, y - u2f((uint32_t)q << 16), e);
   }
 }
 
@@ -109,14 +124,11 @@ void ef_run<uint16_t>(const float* __restrict x, uint16_t* __restrict res, uint1
     const float e = u2f((uint32_t)eb << 16);
     const uint32_t xb = f2u(xi);
     const bool finite = (xb & MAG) < INF;
-    float y = e == 0.0f ? xi : xi + e;
-    y = y > BF16_MAX ? BF16_MAX : (y < -BF16_MAX ? -BF16_MAX : y);
-    const uint32_t yb = f2u(y);
-    const uint16_t q = (yb & MAG) > INF ? nonfinite16(yb) : rtn16(yb);
-    const uint32_t db = f2u(y - u2f((uint32_t)q << 16));  // exact; stored rounded to nearest
-    const uint16_t d = (db & MAG) > INF ? nonfinite16(db) : rtn16(db);
-    out[i] = finite ? q : nonfinite16(xb);
-    res[i] = finite ? d : eb;
+    const float y = ef_y(xi, e);
+    const uint16_t q = bf16_bits(f2u(y));
+    const uint16_t d = bf16_bits(f2u(y - u2f((uint32_t)q << 16)));  // exact; stored rounded to nearest
+    out[i] = (uint16_t)sel(finite, q, nonfinite16(xb));
+    res[i] = (uint16_t)sel(finite, d, eb);
   }
 }
 
@@ -239,9 +251,6 @@ constexpr float E4M3_MAX = 448.0f, FP32_MAX = 3.40282347e38f;
 enum Fp8Mode { F_NEAREST, F_STOCHASTIC, F_ERROR_FEEDBACK };
 
 inline bool finite32(float v) { return (f2u(v) & MAG) < INF; }
-// Branch-free selects (bit masks), so that gcc vectorises the loops below (it does not if-convert them).
-inline uint32_t sel(bool c, uint32_t a, uint32_t b) { const uint32_t m = 0u - (uint32_t)c; return (a & m) | (b & ~m); }
-inline float self(bool c, float a, float b) { return u2f(sel(c, f2u(a), f2u(b))); }
 inline float bf16_value(float v) {  // .to(bfloat16).float(): RTN for finite v, non-finite v as is
   return self(finite32(v), u2f((uint32_t)rtn16(f2u(v)) << 16), v);
 }
@@ -260,15 +269,22 @@ inline int64_t scale_run(const int64_t* row, int64_t g, int64_t n, int64_t& sidx
 // + 0x7ffff + lsb, stochastic rounding by + r << 4 (it carries iff floor(f * 2**16) + r >= 2**16). Below 2**-6
 // (the subnormal grid, spacing 2**-9): nearest adds 2**14, whose fp32 spacing is 2**-9, so the addition rounds
 // |q| to the grid, ties to even (the default rounding mode); stochastic rounding takes floor(|q| * 2**25)
-// (exact: a power of two; k * 2**16 + floor(f * 2**16)) + r, >> 16.
+// (k * 2**16 + floor(f * 2**16), from the significand by a shift: gcc leaves the float form scalar on AVX2)
+// + r, >> 16.
 template <int MODE>
 inline uint32_t e4m3_code(float y, float s, uint32_t r) {
   const uint32_t qb = f2u(y / s);
   const uint32_t ab = std::min(qb & MAG, 0x43e00000u);  // |q| saturated at 448
   const uint32_t normal = MODE == F_STOCHASTIC ? ((ab + (r << 4)) >> 20) - 960u
                                                : ((ab + 0x7ffffu + ((ab >> 20) & 1u)) >> 20) - 960u;
-  const uint32_t sub = MODE == F_STOCHASTIC ? ((uint32_t)(int32_t)(u2f(std::min(ab, 0x3c7fffffu)) * 33554432.0f) + r) >> 16
-                                            : f2u(u2f(ab) + 16384.0f) - 0x46800000u;
+  uint32_t sub;
+  if (MODE == F_STOCHASTIC) {  // floor(|q| * 2**25) = the 24-bit significand >> (125 - exponent), in integers
+    const uint32_t e = std::min(ab >> 23, 120u);
+    const uint32_t m = (ab & 0x7fffffu) | sel(e != 0, 0x800000u, 0u);
+    sub = ((m >> std::min(125u - std::max(e, 1u), 31u)) + r) >> 16;
+  } else {
+    sub = f2u(u2f(ab) + 16384.0f) - 0x46800000u;
+  }
   const uint32_t code = sel(ab >= 0x3c800000u, normal, sub);
   return sel(finite32(y), ((qb & SIGN) >> 24) | code, 0x7fu);
 }
