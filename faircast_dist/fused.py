@@ -127,14 +127,22 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 CPU_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 CPU_LDFLAGS = ("-fopenmp",)
-#: replaces ``native`` in ``-march`` (e.g. ``x86-64-v3`` or ``znver3``: AVX2 code, for the oldest nodes of a cluster
-#: that shares one build, or to measure an AVX2 build on an AVX-512 host with ``scripts/bench_export.py``)
+#: replaces ``native`` in ``-march`` (e.g. ``x86-64-v3`` or ``znver3``: AVX2 code, to measure an AVX2 build on an
+#: AVX-512 host with ``scripts/bench_export.py``; a build for a CPU the host lacks would stop the process)
 MARCH_ENV = "FAIRCAST_CPU_MARCH"
 
 
 def cpu_cflags() -> tuple[str, ...]:
-    """The CPU kernel's compiler flags: :data:`CPU_CFLAGS`, with ``FAIRCAST_CPU_MARCH`` (when set) for ``native``."""
-    march = os.environ.get(MARCH_ENV)
+    """The CPU kernel's compiler flags: :data:`CPU_CFLAGS`, with ``FAIRCAST_CPU_MARCH`` (when set) for ``native``.
+
+    Raises:
+        ValueError: ``FAIRCAST_CPU_MARCH`` is not one word of letters, digits and ``._+-`` (it goes into the build
+            command; the kernel's build then falls back to the reference casts, with a warning).
+    """
+    import re
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if march and not re.fullmatch(r"[A-Za-z0-9._+-]+", march):
+        raise ValueError(f"{MARCH_ENV}={march!r} is not a -march value (one word: letters, digits, ._+-)")
     return tuple(f"-march={march}" if flag == "-march=native" and march else flag for flag in CPU_CFLAGS)
 #: seconds to wait for another process's build of the CPU kernel before giving up on it
 LOCK_WAIT_ENV, LOCK_WAIT_S = "FAIRCAST_BUILD_LOCK_WAIT_S", 600.0

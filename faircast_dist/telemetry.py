@@ -480,15 +480,18 @@ class DriftObserver(ExportObserver):
     def end(self, pieces) -> None:
         self.sample.observe(pieces(), device=self.device)
 
-    def fp8_begin(self, fp8, pieces) -> None:
+    def _fp8(self, fp8) -> DriftSample:
         if self.fp8_sample is None:
             self.fp8_sample = DriftSample(self.sample.stride, self.sample.max_lag, fp8=fp8)
-        if self.fp8_sample.previous is None and fp8.scales:  # an earlier export (install, a load) served these bits
+        return self.fp8_sample
+
+    def fp8_begin(self, fp8, pieces) -> None:
+        if self._fp8(fp8).previous is None and fp8.scales:  # an earlier export (install, a load) served these bits
             self.fp8_sample.prime(pieces(), device=self.device)
 
     def fp8(self, fp8, pieces) -> None:
         self.rescales = fp8.last_rescales
-        self.fp8_sample.observe(pieces(), device=self.device)
+        self._fp8(fp8).observe(pieces(), device=self.device)
 
     def reset(self) -> None:
         self.sample.reset()

@@ -167,11 +167,12 @@ class Exports:
         self.fp8_names = [n for n in self.names if n in self.states[next(iter(FP8_ARMS))].fp8.shapes]
         self.fp8_numel = sum(self._count(n, master0[n]) for n in self.fp8_names)
         self.fp8_served = {}  # arm: ({name: E4M3 weight}, {name: fp32 scales}) served now
-        for arm, base in FP8_ARMS.items():  # the install-time cast of master_0
+        self.fp8_arms = FP8_ARMS if self.fp8_names else {}  # (a model without 2-D linear weights has no FP8 rows)
+        for arm, base in self.fp8_arms.items():  # the install-time cast of master_0
             state, shards = self.states[arm], self._shards(master0, self.spare[base])
             state.export_fp8(shards, None)
             self.fp8_served[arm] = state.full_fp8(shards, None), {n: t.clone() for n, t in state.fp8.scales.items()}
-            self.lag[arm] = LagTracker(max(self.fp8_numel, 1), lag_sample, max_lag, seed=0)
+            self.lag[arm] = LagTracker(self.fp8_numel, lag_sample, max_lag, seed=0)
             self.lag[arm].update(self.sample(master0, self.fp8_names),
                                  self.sample(self._dequantized(*self.fp8_served[arm]), self.fp8_names))
         self.eval_model, (self.eval_ids, self.eval_labels) = eval_model, eval_batch
@@ -283,9 +284,9 @@ class Exports:
                            gap_ulps=gap_ulps(served_sample, master_sample), logp_gap=logp_gap, kl=kl,
                            export_ms=export_ms)
             self.served[m], self.spare[m] = served, self.served[m]
-        for arm, base in FP8_ARMS.items():
+        for arm, base in self.fp8_arms.items():
             rows[arm] = self._fp8_step(arm, base, master, master_sample, master_logits, targets, mask)
-        return {m: rows[m] for m in ARMS}
+        return {m: rows[m] for m in ARMS if m in rows}
 
     def _fp8_step(self, arm, base, master, master_sample, master_logits, targets, mask) -> dict:
         """One export of an FP8 arm and its row (see :meth:`step`), after the bf16 arms' of this step."""
@@ -315,7 +316,7 @@ class Exports:
         gap = (q - m).abs() / (e4m3_spacing(m / s) * s)
         served = {n: dequantized.get(n, self.served[base][n]) for n in self.names}
         logp_gap, kl = logprob_gap(master_logits, self.logits(served)[0], targets.clamp_min(0), mask)
-        return dict(changed_pct=100 * self._changed(deltas) / max(self.fp8_numel, 1),
+        return dict(changed_pct=100 * self._changed(deltas) / self.fp8_numel,
                     delta_pct=100 * payload_bytes(sent) / full, lag_steps=self.lag[arm].update(m, q),
                     gap_ulps=gap[torch.isfinite(gap)].mean().item(), logp_gap=logp_gap, kl=kl, export_ms=export_ms)
 
@@ -348,14 +349,16 @@ def summarize(records, trainer_cast, out_dir, trainer_matches: bool, notes: tupl
     print(f"\nSummary over {records[-1]['step']} steps (mean per step; lag = last step):")
     head = f"{'method':<16}{'changed %':>11}{'delta % full':>14}{'lag steps':>11}{'gap ulps':>10}{'|dlogp|/tok':>13}{'KL/tok':>11}{'export ms':>11}"
     print(head + "\n" + "-" * len(head))
-    for m in ARMS:
+    arms = [m for m in ARMS if any(r["method"] == m for r in records)]
+    for m in arms:
         rs = [r for r in records if r["method"] == m]
         mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
         print(f"{m:<16}{mean('changed_pct'):>11.3f}{mean('delta_pct'):>14.3f}{rs[-1]['lag_steps']:>11d}{mean('gap_ulps'):>10.3f}"
               f"{mean('logp_gap'):>13.2e}{mean('kl'):>11.2e}{mean('export_ms'):>11.1f}")
-    print("fp8_* rows: the FP8 E4M3 copy (per-channel scales) of the 2-D linear weights, served beside the bf16 one: "
-          "changed % / delta % / lag / gap (E4M3 spacings x scale) of those weights; log-prob gap of the model "
-          "served with them")
+    if any(m in FP8_ARMS for m in arms):
+        print("fp8_* rows: the FP8 E4M3 copy (per-channel scales) of the 2-D linear weights, served beside the bf16 "
+              "one: changed % / delta % / lag / gap (E4M3 spacings x scale) of those weights; log-prob gap of the "
+              "model served with them")
     print(f"The trainer's own bf16 weights used: {trainer_cast}")
     print(f"Trainer's bf16 model bit-identical to the side-by-side {trainer_cast} export at every step: "
           f"{trainer_matches}")
@@ -365,7 +368,7 @@ def summarize(records, trainer_cast, out_dir, trainer_matches: bool, notes: tupl
     for ax, (key, label) in zip(axes.flat, [("changed_pct", "% served weights changed"), ("lag_steps", "lag (steps)"),
                                             ("gap_ulps", "gap |served - master| (ulps)"),
                                             ("logp_gap", "mean |log p_master - log p_served| per token")]):
-        for m in ARMS:
+        for m in arms:
             rs = [r for r in records if r["method"] == m]
             ax.plot([r["step"] for r in rs], [r[key] for r in rs], marker=".", label=m)
         ax.set_title(label)

@@ -299,6 +299,10 @@ def test_fp8_drift_sample_measures_the_served_fp8_copy():
         want = (before != q.view(torch.uint8)).float().mean().item() if t else 0.0
         assert got["changed_fraction"] == pytest.approx(want, rel=1e-6)
     assert got["gap_ulps"] > 1  # two exports behind
+    from faircast_dist.telemetry import DriftObserver
+    observer = DriftObserver(stride=1, max_lag=5)  # fp8() without fp8_begin() first: measures, no AttributeError
+    observer.fp8(fp8, lambda: [("buf", masters[0], served[0].view(torch.uint8), rows)])
+    assert observer.fp8_sample.last is not None
 
 
 def test_drift_sample_primed_resume_reports_what_the_uninterrupted_run_does():

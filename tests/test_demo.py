@@ -41,6 +41,29 @@ def test_demo_runs_and_trainer_matches_its_side_by_side_export(trainer_cast, tmp
     assert "fp8_* rows: the FP8 E4M3 copy" in out
 
 
+def test_a_model_without_fp8_params_has_no_fp8_rows():
+    """The side-by-side exports of a model whose params all stay bf16 (an embedding and a head): the bf16 rows only."""
+    import types
+
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from fair_demo_common import METHODS, Exports
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens, self.lm_head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False)
+
+        def forward(self, ids):
+            return types.SimpleNamespace(logits=self.lm_head(self.embed_tokens(ids)))
+    model = Model()
+    master = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(32, (2, 9), generator=torch.Generator().manual_seed(0))
+    exports = Exports(list(master), master, 7, 3, 64, model, (ids, ids))
+    assert exports.fp8_arms == {}
+    assert list(exports.step({n: t + 1e-3 for n, t in master.items()})) == list(METHODS)
+
+
 def test_device_cuda_without_a_gpu_is_a_clear_error():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "demo_deepspeed.py"), "--device", "cuda",

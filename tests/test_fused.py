@@ -343,6 +343,12 @@ def test_cpu_build_key_covers_source_flags_and_versions(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv(fused.MARCH_ENV, "x86-64-v3")  # an AVX2 build of the same source
     assert "-march=x86-64-v3" in fused.cpu_cflags() and fused.cpu_build_key(b"src") != key
+    for bad in ("x; touch /tmp/pwned", "x86-64-v3 -DX=1"):  # it goes into the build's shell command
+        monkeypatch.setenv(fused.MARCH_ENV, bad)
+        with pytest.raises(ValueError, match="FAIRCAST_CPU_MARCH=.* is not a -march value"):
+            fused.cpu_cflags()
+    monkeypatch.setenv(fused.MARCH_ENV, " ")
+    assert "-march=native" in fused.cpu_cflags()
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__file__", "/another/venv/torch/__init__.py")  # another venv's torch
     assert fused.cpu_build_key(b"src") != key
