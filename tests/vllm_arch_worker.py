@@ -343,6 +343,9 @@ def faults(llm, receiver, path: str, fault_file: str) -> tuple[dict, object]:
         odd.append((name, t))
     receiver.load(odd)
     rep["signed_zero_and_subnormal_verified"] = receiver.verify()
+    # Ctrl-C is simulated with _thread.interrupt_main, which does nothing while SIGINT is ignored, and a process
+    # started in the background by a non-interactive shell (`make test &`) inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for fault in ("raise", "slow", "die", "hang"):
         with open(fault_file, "w") as f:
             f.write(fault)
