@@ -10,9 +10,8 @@ import os
 import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
-from helpers import free_port
+from helpers import launch
 
 
 def tiny_model() -> torch.nn.Module:
@@ -289,17 +288,5 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
                 fused_adam=fused_adam, module_only=module_only)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
-        for attempt in range(3):
-            try:
-                mp.spawn(_worker, args=(world_size, free_port(), opts, out), nprocs=world_size, join=True)
-                break
-            except mp.ProcessRaisedException as err:  # another process took the free port meanwhile
-                if "EADDRINUSE" not in str(err) or attempt == 2:
-                    raise
-            except mp.ProcessExitedException as err:
-                # DeepSpeed 0.19 ZeRO-3 rarely aborts a rank at exit ("terminate called without an
-                # active exception") after it finished: judge by what every rank reported.
-                if not ("SIGABRT" in str(err) and all(os.path.exists(f"{out}.{r}") for r in range(world_size))):
-                    raise
-                break
+        launch(_worker, world_size, opts, out, reported=[f"{out}.{r}" for r in range(world_size)])
         return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world_size)]

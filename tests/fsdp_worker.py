@@ -12,9 +12,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from helpers import free_port
+from helpers import launch
 
 DIM = 13
 
@@ -353,7 +352,8 @@ def _worker(rank, world, port, jobs, out):
                 records.append({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
             dist.barrier()
         if rank == 0:
-            torch.save(records, out)
+            torch.save(records, f"{out}.tmp")
+            os.replace(f"{out}.tmp", out)  # complete, or absent
     finally:
         dist.destroy_process_group()
 
@@ -362,5 +362,5 @@ def run(world: int, jobs: list[dict]) -> list[dict]:
     """Run ``jobs`` in one launch of ``world`` gloo ranks; rank 0's records."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "records.pt")
-        mp.start_processes(_worker, args=(world, free_port(), jobs, out), nprocs=world, start_method="spawn")
+        launch(_worker, world, jobs, out, reported=[out])
         return torch.load(out, weights_only=False)

@@ -1,11 +1,14 @@
-"""What the tests share: raw bits, a free port for a spawned process group, Fair Cast's warnings."""
+"""What the tests share: raw bits, spawned process groups (a free port, one launcher), Fair Cast's warnings."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
+import os
 import socket
 
 import torch
+import torch.multiprocessing as mp
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -22,6 +25,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _rank(rank, worker, world, port, fault, args):
+    with open(f"{fault}.{rank}", "w") as f:  # a native crash (SIGABRT, SIGSEGV, ...) leaves the Python stack here
+        faulthandler.enable(file=f, all_threads=True)
+        worker(rank, world, port, *args)
+
+
+def launch(worker, world: int, *args, reported: list[str]) -> None:
+    """Run ``worker(rank, world, port, *args)`` on ``world`` spawned processes (``port``: free on
+    127.0.0.1, for ``MASTER_PORT``) and wait for them.
+
+    - A launch whose rank lost the port to another process meanwhile (EADDRINUSE) is retried, up to
+      3 launches.
+    - A rank killed by SIGABRT once every path in ``reported`` exists (what the ranks write when all
+      their work is done: write each with ``os.replace``, complete or absent) counts as finished:
+      torch's gloo / DeepSpeed teardown rarely aborts at exit ("terminate called without an active
+      exception", ../shared/notes/deepspeed.md; 1 CI run of test_fsdp).
+    Raises:
+        torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a rank failed; for a
+            crash, the message ends with the Python stack of each rank that faulthandler caught.
+    """
+    fault = os.path.join(os.path.dirname(reported[0]), "fault")
+    for attempt in range(3):
+        try:
+            mp.start_processes(_rank, args=(worker, world, free_port(), fault, args), nprocs=world,
+                               start_method="spawn")
+            return
+        except mp.ProcessRaisedException as err:
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+        except mp.ProcessExitedException as err:
+            if err.signal_name == "SIGABRT" and all(os.path.exists(p) for p in reported):
+                return
+            stacks = [f"rank {r}:\n{text}" for r in range(world)
+                      if os.path.exists(f"{fault}.{r}") and (text := open(f"{fault}.{r}").read().strip())]
+            if stacks:
+                err.args = (f"{err}\n" + "\n".join(stacks),)
+            raise
 
 
 @contextlib.contextmanager

@@ -15,9 +15,9 @@ import sys
 import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
-from ds_worker import batch, ds_config, free_port
+from ds_worker import batch, ds_config
+from helpers import launch
 
 EF = {"mode": "fair", "method": "error_feedback"}
 SAVED_LR = [(1e-3, 0.0), (2e-3, 0.1), (3e-3, 0.05)]  # (lr, weight decay) of the 3 param groups
@@ -159,10 +159,6 @@ def run(path: str, world_size: int = 2) -> dict:
     """One launch for ``path`` (see ``ds_worker.PATHS``); rank 0's record."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
-        try:
-            mp.spawn(_worker, args=(world_size, free_port(), path, os.path.join(tmp, "ckpt"), out),
-                     nprocs=world_size, join=True)
-        except mp.ProcessExitedException as err:  # ZeRO-3 rarely aborts at exit upstream: judge by the records
-            if not ("SIGABRT" in str(err) and all(os.path.exists(f"{out}.{r}") for r in range(world_size))):
-                raise
+        launch(_worker, world_size, path, os.path.join(tmp, "ckpt"), out,
+               reported=[f"{out}.{r}" for r in range(world_size)])
         return torch.load(f"{out}.0", weights_only=False)

@@ -27,7 +27,6 @@ import sys
 import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -91,17 +90,18 @@ def _worker(rank, tp, port, model_name, dtype_name, tiny, out_path):
         record["pad_grad_max"] = max((float(grads[k][~m].float().abs().max()) for k, m in masks.items()), default=None)
         record["pad_weight_max"] = max((float(full[k][~m].float().abs().max()) for k, m in masks.items()), default=None)
         record["real_grad_nonzero"] = all(bool(g.float().abs().max() > 0) for g in grads.values())
-        torch.save(record, out_path)
+        torch.save(record, f"{out_path}.tmp")
+        os.replace(f"{out_path}.tmp", out_path)  # complete, or absent
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
 
 def run(tp: int, model: str = "tiny", dtype: str = "fp32", tiny: dict | None = None) -> dict:
     """Spawn ``tp`` ranks (TP=tp, PP=1, DP=1); rank 0's record (see the module docstring)."""
-    from helpers import free_port
+    from helpers import launch
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record.pt")
-        mp.spawn(_worker, args=(tp, free_port(), model, dtype, tiny, out), nprocs=tp, join=True)
+        launch(_worker, tp, model, dtype, tiny, out, reported=[out])
         return torch.load(out, weights_only=False)
 
 

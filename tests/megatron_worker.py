@@ -31,9 +31,8 @@ import traceback
 import zlib
 
 import torch
-import torch.multiprocessing as mp
 
-from helpers import free_port, logged_warnings
+from helpers import launch, logged_warnings
 
 SEQ, MBS, MICRO, VOCAB = 8, 2, 2, 64
 
@@ -648,7 +647,8 @@ def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=N
         raise
     finally:
         if rank == 0:
-            torch.save(records, out_path)
+            torch.save(records, f"{out_path}.tmp")
+            os.replace(f"{out_path}.tmp", out_path)  # complete, or absent
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
@@ -668,5 +668,5 @@ def run(tp: int, pp: int, dp: int, jobs: dict, device: str = "cpu", ep: int = 1,
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "records.pt")
         world = tp * pp * dp * cp
-        mp.spawn(_worker, args=(world, free_port(), tp, pp, jobs, out, device, ep, etp, vpp, cp), nprocs=world, join=True)
+        launch(_worker, world, tp, pp, jobs, out, device, ep, etp, vpp, cp, reported=[out])
         return torch.load(out, weights_only=False)
