@@ -33,6 +33,9 @@ def _rank(rank, worker, world, port, fault, args):
         worker(rank, world, port, *args)
 
 
+GRACE_S = 60  # after a rank fails, how long the others may take to finish on their own
+
+
 def launch(worker, world: int, *args, reported: list[str]) -> None:
     """Run ``worker(rank, world, port, *args)`` on ``world`` spawned processes (``port``: free on
     127.0.0.1, for ``MASTER_PORT``) and wait for them.
@@ -42,7 +45,9 @@ def launch(worker, world: int, *args, reported: list[str]) -> None:
     - A rank killed by SIGABRT once every path in ``reported`` exists (what the ranks write when all
       their work is done: write each with ``os.replace``, complete or absent) counts as finished:
       torch's gloo / DeepSpeed teardown rarely aborts at exit ("terminate called without an active
-      exception", ../shared/notes/deepspeed.md; 1 CI run of test_fsdp).
+      exception", ../shared/notes/deepspeed.md; 1 CI run of test_fsdp). The others get
+      :data:`GRACE_S` seconds to finish (rank 0 may still be writing its record) before they are
+      terminated.
     Raises:
         torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a rank failed; for a
             crash, the message ends with the Python stack of each rank that faulthandler caught.
@@ -50,8 +55,10 @@ def launch(worker, world: int, *args, reported: list[str]) -> None:
     fault = os.path.join(os.path.dirname(reported[0]), "fault")
     for attempt in range(3):
         try:
-            mp.start_processes(_rank, args=(worker, world, free_port(), fault, args), nprocs=world,
-                               start_method="spawn")
+            context = mp.start_processes(_rank, args=(worker, world, free_port(), fault, args), nprocs=world,
+                                         start_method="spawn", join=False)
+            while not context.join(grace_period=GRACE_S):
+                pass
             return
         except mp.ProcessRaisedException as err:
             if "EADDRINUSE" not in str(err) or attempt == 2:

@@ -1,9 +1,11 @@
 """helpers.launch, which every spawned-rank test runs through: a rank that aborts after its work is
-reported counts as finished (torch's gloo teardown rarely aborts at exit: one CI run lost all of
-test_fsdp's 143 cases to it), and one that crashes mid-work fails with its Python stack."""
+reported, once the others finish, counts as finished (torch's gloo teardown rarely aborts at exit: one
+CI run lost all of test_fsdp's 143 cases to it), and one that crashes mid-work fails with its Python
+stack."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch.multiprocessing as mp
@@ -12,9 +14,12 @@ from helpers import launch
 
 
 def _aborting(rank, world, port, out, before):
-    """Rank 1 aborts (SIGABRT), ``before`` or after every rank wrote ``out.<rank>``."""
+    """Rank 1 aborts (SIGABRT) before or after it writes ``out.1``; rank 0 writes ``out.0`` 2 s late (a slow
+    rank 0 still saving its record when another rank's teardown aborts)."""
     if rank == 1 and before:
         os.abort()
+    if rank == 0:
+        time.sleep(2)
     with open(f"{out}.{rank}.tmp", "w") as f:
         f.write(str(port))
     os.replace(f"{out}.{rank}.tmp", f"{out}.{rank}")
