@@ -22,9 +22,11 @@ GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300): G completions per prompt, 
 (r - mean_group) / (std_group + 1e-4), token-level PPO-clip loss (sum over all response tokens of
 the minibatch on all ranks / their count, as in DAPO arXiv 2503.14476) with ratio
 p_trainer / p_behaviour, where p_behaviour is the served policy that sampled the rollout and
-p_trainer the trainer's forward on its bf16 model; no KL term. Task: reasoning-gym chain_sum (2 terms, 1 digit), reward 1 when the last
-integer of the completion is the exact answer (``score_answer`` == 1), else 0. Held-out: a fixed set
-(seed 1000003) scored greedily with the served policy every ``--eval-every`` steps.
+p_trainer the trainer's forward on its bf16 model; no KL term. Task: reasoning-gym chain_sum (``--terms`` terms of 1 to
+``--digits`` digits), reward 1 when the last integer of the completion is the exact answer (``score_answer`` ==
+1), else 0. Held-out: a fixed set of ``--eval-size`` distinct problems (seed 1000003) from the 1 in 8 whose
+expression's hash holds them out (:func:`held_out`; training and the warm start draw only the others), scored
+greedily with the served policy every ``--eval-every`` steps.
 
 Seed pairs: pair p uses seed ``--seed + p`` for every arm: prompt order, sampling RNG and the
 export-cast seed; the initial weights are the same for every pair and arm (the pretrained SmolLM2,
@@ -65,9 +67,10 @@ import torch.nn.functional as F
 
 from fair_demo_common import METHODS, SMOLLM2_GGUF, TINY_LLAMA, export_cast_config
 from rl.engines import RolloutEngine, VllmEngine, check_synced, flat_bits, sync_weights
-from rl.stats import BASELINE, arm_scores, compare_arms, lag_peak, mean_curves, recovery, reward_rise
+from rl.stats import BASELINE, arm_scores, compare_arms, fitted_delay, lag_peak, mean_curves, recovery, reward_rise
 
-TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)  # reasoning-gym chain_sum
+SPLITS = ("train", "eval")
+HELD_OUT = 8  # 1 problem in HELD_OUT is held out: by a hash of its expression (held_out)
 # the tiny policy: head_dim 32 (vLLM's CPU attention supports head sizes from 32 up; the demo's 16 does not)
 TINY = {**TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 1}
 ENGINES = ("vllm", "hf")
@@ -105,27 +108,37 @@ def parse_args(argv=None):
     p.add_argument("--minibatches", type=int, default=1,
                    help="optimizer steps per rollout batch (each followed by a weight sync)")
     p.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate [default: 3e-6 tiny (round-to-nearest then changes ~1.2%% of the served "
-                        "weights per step and lags 20-50 steps), 1e-6 smollm2]; the run prints the update it "
+                   help="AdamW learning rate [default: 3e-6 tiny (round-to-nearest then changes ~1.1%% of the served "
+                        "weights per step and lags up to ~65 steps), 1e-6 smollm2]; the run prints the update it "
                         "gives in bf16 ulps (the paper's regime: 0.02-0.2 ulps per step)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="completion length cap [default: 4 tiny, 24 smollm2]")
-    p.add_argument("--eval-size", type=int, default=256, help="held-out problems (fixed set)")
+    p.add_argument("--terms", type=int, default=4, help="chain_sum terms per problem")
+    p.add_argument("--digits", type=int, default=1, help="chain_sum digits per term: 1 to DIGITS")
+    p.add_argument("--eval-size", type=int, default=512,
+                   help=f"held-out problems (a fixed set of distinct ones, from the 1 in {HELD_OUT} that training "
+                        "never draws)")
     p.add_argument("--eval-every", type=int, default=20, help="held-out eval every K steps (and at 0 and the end)")
     p.add_argument("--eval-last", type=int, default=3,
                    help="the secondary (final) score of an arm: mean of its last N evals")
     p.add_argument("--tie-band", type=float, default=1.0,
                    help="points within which an arm's primary score (mean held-out accuracy over all evals) ties "
                         "with nearest's in a pair (declared before running)")
-    p.add_argument("--warm-steps", type=int, default=400, help="tiny: supervised warm-start steps (0: none)")
+    p.add_argument("--init-weights", default=None, metavar="FILE",
+                   help="tiny: start every arm from these weights (a .safetensors of the policy, e.g. a committed warm "
+                        "start; its sha256 over the state goes to args.json as init_sha, which --merge compares) "
+                        "instead of a warm start trained here")
+    p.add_argument("--warm-steps", type=int, default=2000, help="tiny: supervised warm-start steps (0: none)")
     p.add_argument("--warm-lr", type=float, default=3e-3, help="tiny: warm-start AdamW learning rate")
     p.add_argument("--warm-batch", type=int, default=64, help="tiny: warm-start batch size")
     p.add_argument("--max-lag", type=int, default=100, help="K: past master samples kept for lag_steps")
     p.add_argument("--lag-sample", type=int, default=65536, help="elements sampled for lag_steps / gap_ulps")
     p.add_argument("--out-dir", default="runs/rl",
                    help="where steps.csv, summary.{csv,md}, curves.png and args.json (the settings) go")
+    p.add_argument("--save-masters", action="store_true",
+                   help="save each arm's final fp32 master weights, as scored: OUT_DIR/pair_SEED/masters_ARM.safetensors")
     p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
                    help="train nothing: summarize finished runs' --out-dir folders into --out-dir, as one run of "
                         "all their pairs (launches with the same settings but --seed / --pairs, e.g. 25 pairs in "
@@ -140,7 +153,7 @@ def parse_args(argv=None):
     if bad or BASELINE not in args.arms or len(set(args.arms)) != len(args.arms):
         p.error(f"--arms {','.join(args.arms)}: each arm must be one of {ARMS}, once, and {BASELINE!r} "
                 f"must be among them (unknown: {bad})")
-    for name in ("pairs", "steps", "prompts", "group", "minibatches", "max_new_tokens", "eval_size", "eval_every",
+    for name in ("terms", "digits", "pairs", "steps", "prompts", "group", "minibatches", "max_new_tokens", "eval_size", "eval_every",
                  "eval_last", "lag_sample", "warm_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -151,6 +164,15 @@ def parse_args(argv=None):
         p.error(f"--clip must be in (0, 1), got {args.clip}")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if args.terms > 16 or args.digits > 9:
+        p.error(f"--terms {args.terms} --digits {args.digits}: at most 16 terms of at most 9 digits")
+    top = 10 ** args.digits - 1  # the answer's extremes: all terms added, or all but the first subtracted
+    longest = max(len(str(args.terms * top)), len(str(-(args.terms - 1) * top))) + 1  # byte tokens, EOS included
+    if tiny and args.max_new_tokens < longest:
+        p.error(f"--max-new-tokens {args.max_new_tokens} cannot hold the longest answer of --terms {args.terms} "
+                f"--digits {args.digits} ({longest} byte tokens with its EOS)")
+    if args.init_weights and (args.model != "tiny" or not os.path.isfile(args.init_weights)):
+        p.error(f"--init-weights {args.init_weights}: needs --model tiny and an existing file")
     if args.sync == "delta" and args.engine != "vllm":
         p.error("--sync delta needs --engine vllm (the HF engine takes full weights only)")
     if (args.prompts * args.group) % args.minibatches:
@@ -159,17 +181,28 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- policy and task
-class Task:
-    """Prompts, completions and rewards for one model's tokenizer.
+def held_out(entry: dict) -> bool:
+    """Whether a chain_sum problem belongs to the held-out split: the first 8 bytes of sha256 of its expression
+    (``"42 - 25"``), as an integer, are 0 mod :data:`HELD_OUT`. A property of the problem, not of the seed that
+    drew it, so train and eval problems never meet, in any pair or warm start."""
+    digest = hashlib.sha256(entry["metadata"]["expression"].encode()).digest()
+    return int.from_bytes(digest[:8], "little") % HELD_OUT == 0
 
-    ``tiny`` is byte-level: prompt = the question's arithmetic expression (``"4 - 1 = "``, without the
-    fixed instruction that precedes it); a completion ends with ``\\n``
+
+class Task:
+    """Problems, prompts, completions and rewards for one model's tokenizer.
+
+    Problems: reasoning-gym chain_sum with ``terms`` terms of 1 to ``digits`` digits, split into train and
+    eval by :func:`held_out`. ``tiny`` is byte-level: prompt = the question's arithmetic expression
+    (``"4 - 1 = "``, without the fixed instruction that precedes it); a completion ends with ``\\n``
     (byte 10, the EOS). ``smollm2`` uses the model's chat template and EOS.
     """
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, terms: int = 4, digits: int = 1):
         import reasoning_gym
         self.reasoning_gym = reasoning_gym
+        self.config = dict(min_terms=terms, max_terms=terms, min_digits=1, max_digits=digits)
+        self.scorer = reasoning_gym.create_dataset("chain_sum", size=1, seed=0, **self.config)
         if model == "tiny":
             self.tok, self.eos, self.pad = None, 10, 0
         else:
@@ -178,9 +211,30 @@ class Task:
             self.eos = self.tok.eos_token_id
             self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
 
-    def problems(self, n: int, seed: int):
-        """n reasoning-gym chain_sum entries (dicts with question, answer), deterministic in seed."""
-        return self.reasoning_gym.create_dataset("chain_sum", size=n, seed=seed, **TASK)
+    def problems(self, n: int, seed: int, split: str = "train", distinct: bool = False) -> list[dict]:
+        """The first ``n`` problems of ``split`` (``"train"`` or ``"eval"``: :func:`held_out`) in reasoning-gym's
+        chain_sum stream of ``seed`` (dicts with question, answer, metadata); ``distinct``: each expression once.
+
+        Raises:
+            ValueError: an unknown split, or fewer than ``n`` such problems in the first 1000 n + 10**5 draws
+                (a problem space too small for the split).
+        """
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        stream = self.reasoning_gym.create_dataset("chain_sum", size=10**12, seed=seed, **self.config)  # lazy
+        out, seen = [], set()
+        for i in range(1000 * n + 10**5):
+            if len(out) == n:
+                return out
+            entry = stream[i]
+            expression = entry["metadata"]["expression"]
+            if held_out(entry) == (split == "eval") and not (distinct and expression in seen):
+                seen.add(expression)
+                out.append(entry)
+        if len(out) == n:
+            return out
+        raise ValueError(f"only {len(out)} {'distinct ' if distinct else ''}{split} problems of chain_sum "
+                         f"{self.config} in {1000 * n + 10**5} draws (seed {seed}); asked for {n}")
 
     def prompt(self, entry) -> list[int]:
         if self.tok is None:  # the expression only ("4 - 1 = "): the instruction before it is the same for all
@@ -198,11 +252,10 @@ class Task:
             return bytes(i for i in ids if 0 < i < 256).decode(errors="replace")
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    @staticmethod
-    def reward(dataset, entry, text: str) -> float:
-        """1.0 when the last integer in ``text`` is exactly the answer, else 0.0."""
+    def reward(self, entry, text: str) -> float:
+        """1.0 when the last integer in ``text`` is exactly the answer (reasoning-gym's ``score_answer``), else 0.0."""
         numbers = re.findall(r"-?\d+", text)
-        return float(bool(numbers) and dataset.score_answer(numbers[-1], entry) == 1.0)
+        return float(bool(numbers) and self.scorer.score_answer(numbers[-1], entry) == 1.0)
 
 
 def _smollm2_folder() -> str:
@@ -218,21 +271,26 @@ def build_policy(args, task: Task, rank: int):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     if args.model == "smollm2":
         return AutoModelForCausalLM.from_pretrained(_smollm2_folder(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    from safetensors.torch import load_model, save_model
     cfg = LlamaConfig(**TINY, eos_token_id=task.eos, pad_token_id=task.pad, bos_token_id=None)
     torch.manual_seed(args.init_seed)
     model = LlamaForCausalLM(cfg)
+    if args.init_weights:
+        load_model(model, args.init_weights)  # strict: every param, no other
+        return model
     if args.warm_steps == 0:
         return model
-    key = hashlib.sha256(json.dumps([TINY, TASK, args.init_seed, args.warm_steps, args.warm_lr,
+    key = hashlib.sha256(json.dumps([TINY, task.config, HELD_OUT, args.init_seed, args.warm_steps, args.warm_lr,
                                      args.warm_batch]).encode()).hexdigest()[:12]
-    path = os.path.join(args.out_dir, f"warm_start_{key}.pt")
+    path = os.path.join(args.out_dir, f"warm_start_{key}.safetensors")
     if rank == 0 and not os.path.exists(path):
         warm_start(model, task, args)
         os.makedirs(args.out_dir, exist_ok=True)
-        torch.save(model.state_dict(), path + ".tmp")
+        save_model(model, path + ".tmp")
         os.replace(path + ".tmp", path)
+        print(f"Wrote the warm start to {path} (pass it as --init-weights to start other launches from it)")
     dist.barrier()
-    model.load_state_dict(torch.load(path, map_location="cpu"))
+    load_model(model, path)
     return model
 
 
@@ -251,7 +309,7 @@ def state_sha(model) -> str:
 def warm_start(model, task: Task, args) -> None:
     """Supervised fp32 training on the task's answers (tiny model), so the reward starts above 0."""
     from tqdm import tqdm
-    data = task.problems(args.warm_steps * args.warm_batch, seed=args.init_seed + 7_777_777)
+    data = task.problems(args.warm_steps * args.warm_batch, seed=args.init_seed + 7_777_777)  # train split
     opt = torch.optim.AdamW(model.parameters(), lr=args.warm_lr, weight_decay=0.0)
     for s in tqdm(range(args.warm_steps), desc="warm start (supervised)"):
         pairs = [(task.prompt(e), task.completion(e)) for e in (data[i] for i in range(s * args.warm_batch,
@@ -300,14 +358,24 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torc
     return (loss * mask).sum() / (n if n_tokens is None else n_tokens), float(clipped.sum() / n)
 
 
-def count_correct(rollout, task: Task, dataset, indices: Iterable[int], max_new_tokens: int) -> float:
-    """Number of ``dataset[i]`` (i in ``indices``) the rollout engine answers right, greedily; 0.0 for none
-    (a rank whose share of a held-out set smaller than the world is empty; a collective engine is still called)."""
+def count_correct(rollout, task: Task, dataset: list[dict], indices: Iterable[int],
+                  max_new_tokens: int) -> tuple[float, list[list[int]]]:
+    """How many ``dataset[i]`` (i in ``indices``) the rollout engine answers right, greedily, and its completions
+    (token lists); 0.0 and [] for none (a rank whose share of a held-out set smaller than the world is empty; a
+    collective engine is still called)."""
     entries = [dataset[i] for i in indices]
     if not entries and not rollout.collective:
-        return 0.0
+        return 0.0, []
     out = rollout.generate([task.prompt(e) for e in entries], max_new_tokens, greedy=True)
-    return sum(task.reward(dataset, e, task.decode(c)) for e, c in zip(entries, out["completions"]))
+    return sum(task.reward(e, task.decode(c)) for e, c in zip(entries, out["completions"])), out["completions"]
+
+
+def ranks_sha(local: bytes) -> str:
+    """The first 16 hex digits of sha256 over every rank's ``local`` bytes (their sha256s in rank order), on
+    rank 0; collective."""
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(local).hexdigest())
+    return hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -316,10 +384,16 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- one arm of one pair
-def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eval_set, bar=None) -> list[dict]:
+def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eval_set, masters: RolloutEngine,
+            first=None, bar=None) -> list[dict]:
     """Train one arm for ``args.steps`` GRPO steps from ``init_model`` (fp32, left unchanged), sampling with
     ``rollout`` (its weights are replaced by the arm's first sync; for the :data:`ORACLE` arm an fp32 engine,
-    trained by stock DeepSpeed without bf16).
+    trained by stock DeepSpeed without bf16). At every held-out eval the arm's fp32 master weights are scored
+    too, loaded into ``masters`` (an fp32 HF copy per rank, greedy): ``master_acc`` beside the served copy's
+    ``eval_acc``, and ``master_eval_sha`` over every rank's greedy completions. ``first`` (the oracle's): the bf16
+    engine, which samples the arm's step-1 rollouts from the bf16 rounding of ``init_model`` (what every cast
+    arm serves before its first step), so that all arms of a pair share them: the oracle then differs from the
+    casts only where it must, its unrounded weights from step 1 on.
 
     Rank 0 returns one record per step (and one for step 0, the first eval); other ranks return [].
     """
@@ -354,6 +428,10 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
     check_synced(engine, rollout, f"arm {arm}, seed {seed}, step 0")
     params = dict(engine.module.named_parameters())
     names = list(params)
+    numels = [params[n].numel() for n in names]
+
+    def as_params(flat: torch.Tensor) -> dict[str, torch.Tensor]:  # a flat [sum numels] buffer as named views
+        return {n: t.view_as(params[n]) for n, t in zip(names, flat.split(numels))}
 
     def gather_master():  # collective (ZeRO-2 partitions): every rank calls it
         return torch.cat([safe_get_full_fp32_param(params[n]).reshape(-1) for n in names])
@@ -361,43 +439,49 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
     def served():
         return torch.cat([params[n].detach().reshape(-1) for n in names]).clone()
 
-    def evaluate() -> float:
-        right = torch.tensor([count_correct(rollout, task, eval_set, range(rank, len(eval_set), world),
-                                            args.max_new_tokens)])
+    def evaluate(engine) -> tuple[float, list[list[int]]]:  # held-out accuracy (points), this rank's completions
+        right, completions = count_correct(engine, task, eval_set, range(rank, len(eval_set), world),
+                                           args.max_new_tokens)
+        right = torch.tensor([right])
         dist.all_reduce(right)
-        return 100.0 * right.item() / len(eval_set)
+        return 100.0 * right.item() / len(eval_set), completions
+
+    def evaluate_both(row: dict) -> float:  # the served copy, then the masters (collective)
+        acc, _ = evaluate(rollout)
+        masters.load_weights(as_params(master).items())
+        master_acc, completions = evaluate(masters)
+        row.update(eval_acc=acc, master_acc=master_acc, master_eval_sha=ranks_sha(json.dumps(completions).encode()))
+        return acc
 
     master, served_now = gather_master(), served()
     lag = LagTracker(master.numel(), args.lag_sample, args.max_lag, seed=0) if rank == 0 else None
     if rank == 0:
         lag.update(master[lag.index], served_now[lag.index])
-        master_model = copy.deepcopy(init_model).eval()  # fp32, like the masters
-        master_names = [n for n, _ in master_model.named_parameters()]
-        assert master_names == names, "the trainer and the fp32 copy must name params alike"
-    acc = evaluate()
-    records = [dict(pair_seed=seed, arm=arm, step=0, eval_acc=acc)] if rank == 0 else []
+    assert list(masters.params) == names, "the trainer and the fp32 copy must name params alike"
+    row = dict(pair_seed=seed, arm=arm, step=0, master_sha=hashlib.sha256(master.numpy().tobytes()).hexdigest()[:16])
+    acc = evaluate_both(row)
+    records = [row] if rank == 0 else []
+    if first is not None:
+        first.load_weights((n, p.detach().to(torch.bfloat16)) for n, p in init_model.named_parameters())
     for step in range(1, args.steps + 1):
         entries = [train_set[((step - 1) * world + rank) * args.prompts + i] for i in range(args.prompts)]
         t0 = time.perf_counter()
-        roll = rollout.generate([task.prompt(e) for e in entries for _ in range(args.group)], args.max_new_tokens,
+        roll = (first if step == 1 and first is not None else rollout).generate([task.prompt(e) for e in entries for _ in range(args.group)], args.max_new_tokens,
                                 seed=seed * 1_000_003 + step * 101 + rank)  # same rollouts for every arm of the pair
         gen = torch.tensor([float(roll["mask"].sum()), 1e3 * (time.perf_counter() - t0)])
         dist.all_reduce(gen)  # tokens on all ranks; the ranks' generate ms (averaged below)
-        rewards = torch.tensor([task.reward(train_set, e, task.decode(c))
+        rewards = torch.tensor([task.reward(e, task.decode(c))
                                 for e, c in zip((e for e in entries for _ in range(args.group)), roll["completions"])])
         advantages = group_advantages(rewards, args.group)
-        row = dict(pair_seed=seed, arm=arm, step=step)
+        row = dict(pair_seed=seed, arm=arm, step=step,  # every rank's rollouts: tokens and behaviour log-prob bits
+                   rollout_sha=ranks_sha(roll["ids"].numpy().tobytes() + roll["logp"].numpy().tobytes()))
         if rank == 0:  # mismatch the rollout saw: served (behaviour) vs the fp32 master of that moment
             with torch.no_grad():
-                flat, off = {}, 0
-                for n, p in master_model.named_parameters():
-                    flat[n] = master[off:off + p.numel()].view_as(p)
-                    off += p.numel()
+                flat = as_params(master)
                 kw = dict(attention_mask=roll["attention_mask"], position_ids=position_ids(roll["attention_mask"]))
-                m_logits = torch.func.functional_call(master_model, flat, (roll["ids"],), kw).logits[:, :-1]
+                m_logits = torch.func.functional_call(masters.model, flat, (roll["ids"],), kw).logits[:, :-1]
                 s_logits = engine.module(roll["ids"], **kw).logits[:, :-1]  # the served weights, in the trainer
             row["logp_gap"], row["kl"] = logprob_gap(m_logits, s_logits, roll["ids"][:, 1:], roll["mask"])
-            row["rollout_sha"] = hashlib.sha256(roll["ids"].numpy().tobytes()).hexdigest()[:16]
         step_ms = sync_ms = clip_frac = 0.0
         moved = dict(rollout.receiver.totals) if getattr(rollout, "receiver", None) is not None else None
         for k, chunk in enumerate(torch.arange(len(rewards)).chunk(args.minibatches)):
@@ -428,8 +512,7 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
         previous_sample = master[lag.index] if rank == 0 else None
         master, served_now = gather_master(), served()
         if step % args.eval_every == 0 or step == args.steps:
-            acc = evaluate()
-            row["eval_acc"] = acc
+            acc = evaluate_both(row)
         if rank == 0:
             update = (master[lag.index] - previous_sample).abs() / bf16_spacing(previous_sample)
             row.update(reward=reward[0].item() / reward[1].item(),
@@ -449,29 +532,48 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
                 bar.update(1)
                 bar.set_postfix(arm=arm[:6], reward=f"{row['reward']:.2f}", acc=f"{acc:.1f}",
                                 chg=f"{row['changed_pct']:.2f}%", lag=row["lag_steps"])
+    if args.save_masters and rank == 0:  # the masters the last eval scored
+        from safetensors.torch import save_model
+        folder = os.path.join(args.out_dir, f"pair_{seed}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"masters_{arm}.safetensors")
+        save_model(masters.model, path + ".tmp")
+        os.replace(path + ".tmp", path)
     engine.destroy()
     return records
 
 
 # ----------------------------------------------------------------------------- summary
+#: steps.csv's columns
+FIELDS = ["pair_seed", "arm", "step", "reward", "eval_acc", "master_acc", "logp_gap", "kl", "engine_dlogp",
+          "engine_kl", "changed_pct", "lag_steps", "gap_ulps", "update_ulps", "step_ms", "sync_ms", "gen_ms",
+          "gen_tokens", "payload_bytes", "engine_bytes", "clip_frac", "rollout_sha", "master_sha", "master_eval_sha"]
+
+
+def write_run(records: list[dict], args, folder: str) -> None:
+    """Write ``folder``/args.json (the settings) and ``folder``/steps.csv (``records``), each complete or not at all
+    (written aside, then renamed): a finished run's folder, what ``--merge`` reads."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "args.json.tmp"), "w") as f:
+        json.dump(vars(args), f, indent=1)
+    with open(os.path.join(folder, "steps.csv.tmp"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(records)
+    os.replace(os.path.join(folder, "args.json.tmp"), os.path.join(folder, "args.json"))
+    os.replace(os.path.join(folder, "steps.csv.tmp"), os.path.join(folder, "steps.csv"))
+
+
 def summarize(records: list[dict], args, notes: list[str]) -> str:
     """Write steps.csv, summary.csv, summary.md and curves.png to ``args.out_dir``; return the Markdown."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "args.json"), "w") as f:
-        json.dump(vars(args), f, indent=1)
-    fields = ["pair_seed", "arm", "step", "reward", "eval_acc", "logp_gap", "kl", "engine_dlogp", "engine_kl",
-              "changed_pct", "lag_steps", "gap_ulps", "update_ulps", "step_ms", "sync_ms", "gen_ms", "gen_tokens",
-              "payload_bytes", "engine_bytes", "clip_frac", "rollout_sha", "master_sha"]
-    with open(os.path.join(args.out_dir, "steps.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(records)
     scores = arm_scores(records)  # primary: mean over all evals
     table = compare_arms(scores, args.tie_band)
     final = compare_arms(arm_scores(records, args.eval_last), args.tie_band)  # secondary
+    master_scores = arm_scores(records, key="master_acc")  # none in runs from before master scoring
+    masters = compare_arms(master_scores, args.tie_band) if master_scores else {}
     steps = [r for r in records if r["step"] > 0]
 
     def mean(arm, key, rows=steps):
@@ -485,11 +587,11 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
           f"points vs {BASELINE}, gain with a 95% paired bootstrap interval; secondary = the final score, mean of "
           f"the last {args.eval_last} evals.", "",
           "| arm | primary score (points) | gain vs nearest [95% CI] | W / T / L | recovery of fp32's gain "
-          "| final score | final gain | "
+          "| final score | final gain | masters' primary score | delay behind fp32, served / masters (steps) | "
           "reward (mean/step) | changed %/step | lag at end (steps) | lag peak (steps) | gap ulps | update ulps/step "
           "| \\|dlogp\\|/tok | KL/tok | trainer-engine \\|dlogp\\|/tok | trainer-engine KL/tok | "
           "sync KB/step (sent / into engine) | step ms | sync ms |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     oracle_gain = table[ORACLE]["mean_gain"] if ORACLE in table else None
     for arm in args.arms:
@@ -499,6 +601,9 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
                          recovery=None if oracle_gain is None or arm in (BASELINE, ORACLE) else
                          recovery(t["mean_gain"], oracle_gain, args.tie_band),
                          final_score=final[arm]["mean_score"], final_gain=final[arm]["mean_gain"],
+                         master_score=masters.get(arm, {}).get("mean_score", float("nan")),
+                         delay=fitted_delay(records, arm, "eval_acc", ORACLE) if ORACLE in args.arms else None,
+                         master_delay=fitted_delay(records, arm, "master_acc", ORACLE) if ORACLE in args.arms else None,
                          reward=mean(arm, "reward"), changed_pct=mean(arm, "changed_pct"),
                          lag_end=mean(arm, "lag_steps", last), lag_peak=lag_peak(records, arm),
                          gap_ulps=mean(arm, "gap_ulps"), update_ulps=mean(arm, "update_ulps"),
@@ -513,7 +618,9 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
         final_gain = "-" if arm == BASELINE else f"{r['final_gain']:+.2f}"
         rec = "-" if oracle_gain is None or arm in (BASELINE, ORACLE) else \
             "n/a" if r["recovery"] is None else f"{r['recovery']:.2f}"
+        delay = "-" if r["delay"] is None or arm == ORACLE else f"{r['delay']:.0f} / {r['master_delay']:.0f}"
         md.append(f"| {arm} | {r['score']:.2f} | {gain} | {wtl} | {rec} | {r['final_score']:.2f} | {final_gain} | "
+                  f"{'n/a' if math.isnan(r['master_score']) else format(r['master_score'], '.2f')} | {delay} | "
                   f"{r['reward']:.3f} | {r['changed_pct']:.3f} | {r['lag_end']:.1f} | {r['lag_peak']:.1f} | "
                   f"{r['gap_ulps']:.3f} | {r['update_ulps']:.3f} | "
                   f"{r['logp_gap']:.2e} | {r['kl']:.2e} | {r['engine_dlogp']:.2e} | {r['engine_kl']:.2e} | "
@@ -522,10 +629,14 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
     if oracle_gain is not None:
         md.append(f"Recovery = (arm - nearest) / (fp32 - nearest) on the mean primary scores, the fp32 oracle's gain "
                   f"being {oracle_gain:+.2f} points (declared: n/a when that is below the tie band, {args.tie_band:g}).")
+        md.append(f"Delay = the shift in steps that best aligns the arm's mean held-out curve with the {ORACLE} oracle's "
+                  "(least squares, rl.stats.fitted_delay), for the served policy and for the fp32 masters; a flat "
+                  "curve fits any shift (then 0).")
     xs, lag, _, _ = mean_curves(records, BASELINE, "lag_steps")
     md.append("Round-to-nearest's lag curve (steps behind the master, mean over pairs) at step " + ", ".join(
         f"{x}: {v:.1f}" for x, v in zip(xs, lag) if x % args.eval_every == 0 or x == args.steps) + ".")
     md += notes
+    write_run(records, args, args.out_dir)  # (once the summary is made: a failed one leaves no run folder)
     with open(os.path.join(args.out_dir, "summary.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -535,10 +646,11 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
         f.write(text)
     window = 10  # steps: the rollout reward's running mean (one step's 64 rollouts are noisy)
     panels = [("eval_acc", "held-out accuracy, served policy (points)"),
+              ("master_acc", "held-out accuracy, fp32 masters (points)"),
               ("reward", f"rollout reward ({window}-step running mean)"),
               ("lag_steps", "lag of the served policy (steps behind the master)"),
               ("changed_pct", "% of served weights changed per step")]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 12), sharex=True)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 15), sharex=True)
     for ax, (key, label) in zip(axes, panels):
         for arm in args.arms:
             xs, mid, lo, hi = mean_curves(records, arm, key)
@@ -546,7 +658,7 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
                 mid, lo, hi = ([sum(v[max(0, i - window + 1):i + 1]) / len(v[max(0, i - window + 1):i + 1])
                                 for i in range(len(v))] for v in (mid, lo, hi))
             style = dict(color="black", linestyle="--") if arm == ORACLE else {}
-            line, = ax.plot(xs, mid, marker="." if key == "eval_acc" else None, label=arm, **style)
+            line, = ax.plot(xs, mid, marker="." if key in ("eval_acc", "master_acc") else None, label=arm, **style)
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
         ax.set_title(label)
         if key == "changed_pct":
@@ -562,14 +674,16 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
 
 # ----------------------------------------------------------------------------- merging launches
 #: settings that may differ between launches merged into one summary (the pairs they ran)
-MERGE_FREE = ("seed", "pairs", "out_dir", "merge")
+#: (init_sha, compared, names the starting policy, however it was made: warm-start settings or --init-weights)
+MERGE_FREE = ("seed", "pairs", "out_dir", "merge", "save_masters", "init_weights", "init_seed", "warm_steps", "warm_lr",
+              "warm_batch")
 _INTS = ("pair_seed", "step", "lag_steps", "gen_tokens", "payload_bytes", "engine_bytes")
-_STRS = ("arm", "rollout_sha", "master_sha")
+_STRS = ("arm", "rollout_sha", "master_sha", "master_eval_sha")
 
 
 def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
-    """The records and settings of finished runs (each folder's ``steps.csv`` and ``args.json``), for one
-    summary over pairs split across launches.
+    """The records of finished runs (each folder's ``steps.csv``) and the first one's settings (its
+    ``args.json``), for one summary over pairs split across launches.
 
     Raises:
         SystemExit: a folder without those files, a setting (other than :data:`MERGE_FREE`) that differs
@@ -586,9 +700,9 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
             raise SystemExit(f"--merge {d}: not a finished run's folder ({err.filename} is missing)")
         fixed = {k: v for k, v in saved.items() if k not in MERGE_FREE}
         if settings is None:
-            settings, first = fixed, d
-        for k in sorted(set(settings) | set(fixed)):
-            if settings.get(k) != fixed.get(k):
+            settings, first, first_fixed = saved, d, fixed  # the first folder's, free settings included
+        for k in sorted(set(first_fixed) | set(fixed)):
+            if first_fixed.get(k) != fixed.get(k):
                 raise SystemExit(f"--merge: {d} ran with {k}={fixed.get(k)!r}, {first} with {settings.get(k)!r}; "
                                  f"only {', '.join(MERGE_FREE)} may differ")
         for r in rows:
@@ -612,17 +726,17 @@ def run_notes(records: list[dict], args) -> list[str]:
             f"weights per step and its lag peaks at {lag_peak(records, BASELINE):.1f} steps (the paper's: "
             f"0.4-0.5% per step, lag 50-150 steps).",
             "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
+                                 else f"tiny byte-level Llama, from {args.init_weights}" if getattr(args, "init_weights", None)
                                  else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps")
-            + f" (state sha256 {getattr(args, 'init_sha', None)}).",
+            + f", rounded to bf16 (every arm's masters start there; state sha256 {getattr(args, 'init_sha', None)}).",
             f"Rollout engine: {'vLLM (one engine on rank 0 for all ranks)' if args.engine == 'vllm' else 'HF generate (a bf16 copy per rank)'}"
             f"{f' (the {ORACLE} arm: an fp32 one of its own)' if ORACLE in args.arms else ''}"
             f", {args.sync} weight sync; generation {sum(r['gen_tokens'] for r in records if r['step']) / max(1e-9, sum(r['gen_ms'] for r in records if r['step']) / 1e3):.0f} "
             f"completion tokens/s (rollouts, all ranks).",
             "Rollout engine == trainer bf16 model, bit for bit, after every sync: True (checked each step"
             + (", read back from vLLM through its kernels)." if args.engine == "vllm" else ")."),
-            # the oracle's engine samples from other (unrounded) weights: its rollouts may differ
-            f"Step-1 rollouts identical across the cast arms within every pair: "
-            f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s and r['arm'] != ORACLE}) == 1 for s in {r['pair_seed'] for r in records})}",
+            f"Step-1 rollouts (every rank's) identical across all arms within every pair, the {ORACLE} oracle included: "
+            f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s}) == 1 for s in {r['pair_seed'] for r in records})}",
             *(f"Rollout reward of {arm}: {first:.3f} -> {last:.3f} (means of its first and last 30 steps, at most half "
               f"the run each), {share:+.2f} of its room"
               for arm in (ORACLE, BASELINE) if arm in args.arms for first, last, share in [reward_rise(records, arm)])]
@@ -631,6 +745,8 @@ def run_notes(records: list[dict], args) -> list[str]:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.merge:
+        if any(os.path.realpath(d) == os.path.realpath(args.out_dir) for d in args.merge):
+            raise SystemExit(f"--merge: --out-dir {args.out_dir} is one of the folders merged (it would be overwritten)")
         records, settings = load_runs(args.merge)
         merged = argparse.Namespace(**{**settings, "out_dir": args.out_dir, "merge": args.merge,
                                        "seed": min(r["pair_seed"] for r in records),
@@ -638,29 +754,45 @@ def main(argv=None) -> list[dict]:
         print("\n" + summarize(records, merged, run_notes(records, merged)))
         print(f"Wrote {os.path.abspath(args.out_dir)}/{{steps.csv,summary.csv,summary.md,curves.png}}")
         return records
+    task = Task(args.model, args.terms, args.digits)
+    try:  # before any start-up: a split too small for --eval-size is a usage error
+        eval_set = task.problems(args.eval_size, seed=EVAL_SEED, split="eval", distinct=True)
+    except ValueError as err:
+        raise SystemExit(f"--eval-size {args.eval_size}: {err}")
     import deepspeed
     from tqdm import tqdm
     # a long timeout: rank 0 alone runs the tiny model's warm start while the others wait
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(hours=1))
     rank, world = dist.get_rank(), dist.get_world_size()
+    args.world = world  # the global batch is world x --prompts x --group: --merge compares it
     torch.set_num_threads(1)
-    task = Task(args.model)
     init_model = build_policy(args, task, rank)
+    with torch.no_grad():  # every arm starts from these masters: DeepSpeed's bf16 arms round them anyway
+        for p in init_model.parameters():
+            p.copy_(p.to(torch.bfloat16))
     args.init_sha = state_sha(init_model)
-    eval_set = task.problems(args.eval_size, seed=EVAL_SEED)
     # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights; the oracle
     # arm has an fp32 engine of its own
     dtypes = {arm: "float32" if arm == ORACLE else "bfloat16" for arm in args.arms}
     rollouts = {d: VllmEngine(init_model, task.eos, task.pad, args.out_dir, dtype=d) if args.engine == "vllm"
                 else RolloutEngine(init_model, task.eos, task.pad, dtype=getattr(torch, d))
                 for d in sorted(set(dtypes.values()))}
+    masters = RolloutEngine(init_model, task.eos, task.pad, dtype=torch.float32)  # scores each arm's masters
     records: list[dict] = []
     bar = tqdm(total=args.pairs * len(args.arms) * args.steps, desc="GRPO", disable=rank != 0)
     for pair in range(args.pairs):
         seed = args.seed + pair
         train_set = task.problems(args.steps * args.prompts * world, seed=seed)
+        pair_records = []
         for arm in args.arms:
-            records += run_arm(args, task, init_model, rollouts[dtypes[arm]], arm, seed, train_set, eval_set, bar)
+            pair_records += run_arm(args, task, init_model, rollouts[dtypes[arm]], arm, seed, train_set, eval_set,
+                                    masters, rollouts["bfloat16"] if arm == ORACLE else None, bar)
+        if rank == 0:  # the pair lands as it ends: a run folder of its own, for --merge
+            folder = os.path.join(args.out_dir, f"pair_{seed}")
+            write_run(pair_records, argparse.Namespace(**{**vars(args), "seed": seed, "pairs": 1, "out_dir": folder}),
+                      folder)
+            bar.write(f"Pair {seed} done: {folder}/steps.csv")
+        records += pair_records
     bar.close()
     if rank == 0:
         text = summarize(records, args, run_notes(records, args))

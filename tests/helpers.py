@@ -28,12 +28,12 @@ def free_port() -> int:
 
 
 def _rank(rank, worker, world, port, fault, args):
-    with open(f"{fault}.{rank}", "w") as f:  # a native crash (SIGABRT, SIGSEGV, ...) leaves the Python stack here
-        faulthandler.enable(file=f, all_threads=True)
-        worker(rank, world, port, *args)
+    # a native crash (SIGABRT, SIGSEGV, ...) leaves the Python stack here, at exit too: the file stays open
+    faulthandler.enable(file=open(f"{fault}.{rank}", "w"), all_threads=True)  # noqa: SIM115
+    worker(rank, world, port, *args)
 
 
-GRACE_S = 60  # after a rank fails, how long the others may take to finish on their own
+GRACE_S = 10  # after a rank fails, how long the others may take to finish on their own (a record: < 1 s)
 
 
 def launch(worker, world: int, *args, reported: list[str]) -> None:
@@ -52,6 +52,8 @@ def launch(worker, world: int, *args, reported: list[str]) -> None:
         torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a rank failed; for a
             crash, the message ends with the Python stack of each rank that faulthandler caught.
     """
+    if not reported:
+        raise ValueError("launch needs the paths the ranks write when done (reported), at least one")
     fault = os.path.join(os.path.dirname(reported[0]), "fault")
     for attempt in range(3):
         try:

@@ -104,6 +104,24 @@ def test_reward_rise_is_the_share_of_the_room_climbed():
     assert all(x != x for x in stats.reward_rise(rows, "nearest"))  # no such arm: NaN
 
 
+def test_fitted_delay_is_the_shift_that_aligns_an_arms_curve_with_the_oracles():
+    rows = []
+    for pair in (0, 1):
+        for t in range(0, 101, 10):  # the oracle climbs 1 point per step; nearest the same, 30 steps late
+            rows += [dict(pair_seed=pair, arm="fp32", step=t, eval_acc=float(t + pair), master_acc=float(t)),
+                     dict(pair_seed=pair, arm="nearest", step=t, eval_acc=float(max(0, t - 30) + pair),
+                          master_acc=float(max(0, t - 12)))]
+    assert stats.fitted_delay(rows, "nearest", "eval_acc", "fp32") == 30
+    assert stats.fitted_delay(rows, "nearest", "master_acc", "fp32") == 12
+    assert stats.fitted_delay(rows, "fp32", "eval_acc", "fp32") == 0
+    flat = [dict(r, eval_acc=5.0) for r in rows]  # no rise: every shift fits alike, the smallest wins
+    assert stats.fitted_delay(flat, "nearest", "eval_acc", "fp32") == 0
+    assert stats.fitted_delay(rows, "dithered", "eval_acc", "fp32") != stats.fitted_delay(rows, "dithered", "eval_acc", "fp32")
+    nan = [dict(r, eval_acc=float("nan")) if r["step"] == 50 else r for r in rows]
+    assert stats.fitted_delay(nan, "nearest", "eval_acc", "fp32") != stats.fitted_delay(nan, "nearest", "eval_acc", "fp32")
+    assert stats.arm_scores(rows, key="master_acc")[0]["nearest"] == pytest.approx(sum(max(0, t - 12) for t in range(0, 101, 10)) / 11)
+
+
 def test_state_sha_is_the_starting_policys_fingerprint():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -114,6 +132,42 @@ def test_state_sha_is_the_starting_policys_fingerprint():
         w = model.model.norm.weight
         w.view(torch.int32)[3] ^= 1
     assert rl_grpo.state_sha(model) != sha
+
+
+def test_the_held_out_problems_are_never_drawn_for_training():
+    """The eval set (512 distinct problems) shares no expression with any pair's training problems or the warm
+    start's: the split is a property of the problem (a hash of its expression), not of the seed that drew it."""
+    task = rl_grpo.Task("tiny")
+    held = task.problems(512, seed=rl_grpo.EVAL_SEED, split="eval", distinct=True)
+    expr = [e["metadata"]["expression"] for e in held]
+    assert len(set(expr)) == 512 and all(rl_grpo.held_out(e) for e in held)
+    drawn = [e for seed in range(25) for e in task.problems(300 * 8, seed=seed)]  # 25 pairs x 300 steps x 8 prompts
+    drawn += task.problems(2000 * 64, seed=7_777_777)  # the warm start of --init-seed 0
+    assert not set(expr) & {e["metadata"]["expression"] for e in drawn}
+    assert not any(rl_grpo.held_out(e) for e in drawn)
+    share = sum(map(rl_grpo.held_out, task.problems(4000, seed=0, split="eval") + drawn[:4000 * 7])) / 32000
+    assert share == pytest.approx(1 / 8, abs=0.01)  # the eval split is what it says
+    # 2 terms of one digit: 200 problems, ~25 of them held out, too few for a 512-problem eval set
+    with pytest.raises(ValueError, match="only .* distinct eval problems"):
+        rl_grpo.Task("tiny", terms=2, digits=1).problems(512, seed=rl_grpo.EVAL_SEED, split="eval", distinct=True)
+    with pytest.raises(ValueError, match="split must be one of"):
+        task.problems(1, seed=0, split="test")
+    with pytest.raises(SystemExit, match="--eval-size 512: only"):  # before any start-up (DeepSpeed, warm start)
+        rl_grpo.main(["--terms", "2", "--digits", "1"])
+
+
+def test_init_weights_start_every_arm_from_a_committed_file(tmp_path):
+    """--init-weights: the policy is the file's weights, bit for bit (and so its init_sha)."""
+    from safetensors.torch import save_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(5)
+    saved = LlamaForCausalLM(LlamaConfig(**rl_grpo.TINY, eos_token_id=10, pad_token_id=0, bos_token_id=None))
+    save_model(saved, str(tmp_path / "w.safetensors"))
+    args = rl_grpo.parse_args(["--init-weights", str(tmp_path / "w.safetensors"), "--out-dir", str(tmp_path)])
+    model = rl_grpo.build_policy(args, rl_grpo.Task("tiny"), rank=0)
+    assert rl_grpo.state_sha(model) == rl_grpo.state_sha(saved)
+    with pytest.raises(SystemExit):
+        rl_grpo.parse_args(["--init-weights", str(tmp_path / "missing.safetensors")])
 
 
 def test_group_advantages_and_clipped_loss():
@@ -229,13 +283,15 @@ def test_count_correct_on_an_empty_share_of_the_held_out_set():
     task = rl_grpo.Task("tiny")
     engine = engines.RolloutEngine(_tiny_llama(vocab=256), eos=task.eos, pad=task.pad)
     data = task.problems(1, seed=0)
-    assert rl_grpo.count_correct(engine, task, data, range(1, 1, 2), 4) == 0
-    assert 0 <= rl_grpo.count_correct(engine, task, data, range(0, 1, 2), 4) <= 1
+    assert rl_grpo.count_correct(engine, task, data, range(1, 1, 2), 4) == (0, [])
+    right, completions = rl_grpo.count_correct(engine, task, data, range(0, 1, 2), 4)
+    assert 0 <= right <= 1 and len(completions) == 1
 
 
 @pytest.mark.parametrize("argv", [["--max-new-tokens", "0"], ["--tie-band", "-1"], ["--clip", "0"],
                                   ["--warm-steps", "-1"], ["--lr", "0"], ["--arms", "stochastic"],
-                                  ["--minibatches", "3"]])
+                                  ["--minibatches", "3"], ["--digits", "10"],
+                                  ["--terms", "2", "--digits", "3"]])  # "1998\n" needs 5 new tokens
 def test_parse_args_rejects_bad_values_before_running(argv, capsys):
     with pytest.raises(SystemExit):
         rl_grpo.parse_args(argv)
@@ -247,7 +303,8 @@ def _launch(script, tmp_path, *extra):
            "--model", "tiny", "--warm-steps", "0", "--pairs", "1", "--steps", "2", "--arms", ",".join(ARMS),
            # a random model earns no reward (zero advantages, zero gradients): weight decay alone moves
            # the masters (by ~1% = 1-3 bf16 ulps per step), so every cast serves new values each step
-           "--lr", "1e-2", "--weight-decay", "1.0", "--eval-size", "8", "--eval-every", "1", "--out-dir", str(tmp_path), *extra]
+           "--lr", "1e-2", "--weight-decay", "1.0", "--eval-size", "8", "--eval-every", "1", "--save-masters",
+           "--out-dir", str(tmp_path), *extra]
     env = dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
 
@@ -272,15 +329,18 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
     tmp_path, proc, rows = _run(engine, tmp_path_factory)
     assert "Rollout engine == trainer bf16 model, bit for bit, after every sync: True" in proc.stdout
     assert [(r["arm"], r["step"]) for r in rows] == [(a, str(s)) for a in ARMS for s in (0, 1, 2)]
-    first = {r["arm"]: r["rollout_sha"] for r in rows if r["step"] == "1" and r["arm"] in CASTS}
-    assert len(set(first.values())) == 1, first  # the arms differ only by the cast: same first rollouts
-    assert "Step-1 rollouts identical across the cast arms within every pair: True" in proc.stdout
+    first = {r["arm"]: r["rollout_sha"] for r in rows if r["step"] == "1"}
+    assert len(first) == len(ARMS) and len(set(first.values())) == 1, first  # same first rollouts, the oracle's too
+    assert ("Step-1 rollouts (every rank's) identical across all arms within every pair, the fp32 oracle included: "
+            "True") in proc.stdout
     oracle = [r for r in rows if r["arm"] == "fp32" and r["step"] != "0"]  # served = the master, unrounded
     assert all(float(r["gap_ulps"]) == 0 and float(r["logp_gap"]) == 0 and r["lag_steps"] == "0" for r in oracle)
     for r in rows:
         if r["step"] != "0":
             assert 0 <= float(r["reward"]) <= 1 and float(r["kl"]) >= 0 and 0 <= float(r["changed_pct"]) <= 100
     assert all(float(r["changed_pct"]) > 0 for r in rows if r["step"] == "1")
+    # every arm's masters start from the same (bf16-exact) weights: DeepSpeed's bf16 arms round them, so the oracle's too
+    assert len({r["master_sha"] for r in rows if r["step"] == "0"}) == 1
     # the engine's sampling log-probs are the trainer's forward of the same bf16 weights up to kernel noise
     # (vLLM: ~1e-3; an off-by-one position or a stale tied head gives 0.1-10)
     assert all(0 <= float(r["engine_dlogp"]) < 0.02 for r in rows if r["step"] != "0")
@@ -302,6 +362,38 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
     assert (f"Round-to-nearest's lag curve (steps behind the master, mean over pairs) at step 1: "
             f"{float(nearest[0]['lag_steps']):.1f}, 2: {float(nearest[1]['lag_steps']):.1f}.") in proc.stdout
     assert "recovery" in summary[0] and "the fp32 oracle's gain being" in proc.stdout
+
+
+@pytest.mark.timeout(1800)  # may run the shared launch (two vLLM engines)
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_the_masters_are_scored_as_a_separate_fp32_forward_scores_them(tmp_path_factory, engine):
+    """Each arm's last-step master_acc / master_eval_sha equal a plain greedy loop of full fp32 forwards (no
+    generate(), no padding) over the held-out set on the final masters, which --save-masters wrote (the masters
+    of that step: master_sha)."""
+    from safetensors.torch import load_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out, _, rows = _run(engine, tmp_path_factory)
+    task = rl_grpo.Task("tiny")
+    held = task.problems(8, seed=rl_grpo.EVAL_SEED, split="eval", distinct=True)
+    for arm in ARMS:
+        model = LlamaForCausalLM(LlamaConfig(**rl_grpo.TINY, eos_token_id=task.eos, pad_token_id=task.pad,
+                                             bos_token_id=None)).eval()
+        load_model(model, str(out / "pair_0" / f"masters_{arm}.safetensors"))
+        last = [r for r in rows if r["arm"] == arm][-1]
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert rl_grpo.hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16] == last["master_sha"]
+        completions = []
+        with torch.no_grad():
+            for e in held:
+                ids = task.prompt(e)
+                new = []
+                while len(new) < 4 and (not new or new[-1] != task.eos):
+                    new.append(int(model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+                completions.append(new)
+        right = sum(task.reward(e, task.decode(c)) for e, c in zip(held, completions))
+        assert float(last["master_acc"]) == 100.0 * right / len(held)
+        digests = [rl_grpo.hashlib.sha256(json.dumps(completions[r::2]).encode()).hexdigest() for r in range(2)]
+        assert last["master_eval_sha"] == rl_grpo.hashlib.sha256("".join(digests).encode()).hexdigest()[:16], arm
 
 
 @pytest.mark.timeout(1800)  # may run the shared launch (two vLLM engines)
@@ -362,6 +454,8 @@ def test_merge_summarizes_launches_as_one_run_and_refuses_mixed_settings(tmp_pat
     rl_grpo.main(["--merge", str(hf), "--out-dir", str(tmp_path)])
     assert (tmp_path / "summary.md").read_text() == (hf / "summary.md").read_text()
     assert (tmp_path / "steps.csv").read_text() == (hf / "steps.csv").read_text()
+    rl_grpo.main(["--merge", str(hf / "pair_0"), "--out-dir", str(tmp_path / "pairs")])  # landed as the pair ended
+    assert (tmp_path / "pairs" / "summary.md").read_text() == (hf / "summary.md").read_text()
     with pytest.raises(SystemExit, match=r"ran with engine='vllm', .* with 'hf'"):
         rl_grpo.load_runs([str(hf), str(vllm)])
     with pytest.raises(SystemExit, match="pair seed 0 was run in both"):
@@ -374,5 +468,24 @@ def test_merge_summarizes_launches_as_one_run_and_refuses_mixed_settings(tmp_pat
         rl_grpo.load_runs([str(hf), str(other)])
     with pytest.raises(SystemExit, match="not a finished run's folder"):
         rl_grpo.load_runs([str(tmp_path / "nothing")])
+    other = tmp_path / "world3"  # one step is world x prompts x group rollouts: another world is another run
+    shutil.copytree(hf, other)
+    (other / "args.json").write_text(json.dumps({**saved, "world": 3}))
+    with pytest.raises(SystemExit, match="ran with world=3, .* with 2"):
+        rl_grpo.load_runs([str(hf), str(other)])
+    with pytest.raises(SystemExit, match="is one of the folders merged"):
+        rl_grpo.main(["--merge", str(hf / "pair_0"), "--out-dir", str(hf / "pair_0")])
+    old = tmp_path / "before_master_scoring"  # a run from before masters were scored: no master columns
+    old.mkdir()
+    shutil.copy(hf / "args.json", old / "args.json")
+    with open(hf / "steps.csv") as f, open(old / "steps.csv", "w", newline="") as g:
+        rows = list(csv.DictReader(f))
+        fields = [k for k in rows[0] if k not in ("master_acc", "master_eval_sha")]
+        w = csv.DictWriter(g, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    rl_grpo.main(["--merge", str(old), "--out-dir", str(tmp_path / "old_merged")])
+    assert "| nearest | " in (tmp_path / "old_merged" / "summary.md").read_text()
+    assert " | n/a | " in (tmp_path / "old_merged" / "summary.md").read_text()
     with pytest.raises(SystemExit, match="not a finished run's folder"):  # `--merge runs/x/*` over a merged x
         rl_grpo.load_runs([str(tmp_path / "steps.csv")])

@@ -34,3 +34,5 @@ def test_an_abort_after_every_rank_reported_counts_as_finished_and_one_before_na
     out = str(tmp_path / "before")
     with pytest.raises(mp.ProcessExitedException, match=r"(?s)SIGABRT.*rank 1:.*in _aborting"):
         launch(_aborting, 2, out, True, reported=[f"{out}.{r}" for r in range(2)])
+    with pytest.raises(ValueError, match="reported"):  # none: every abort would pass for finished
+        launch(_aborting, 2, out, False, reported=[])

@@ -5,18 +5,21 @@ reward's rise. Pure functions of the rows (torch only): the tests import this mo
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 BASELINE = "nearest"  # what every arm is compared with
 
 
-def arm_scores(records: list[dict], last: int | None = None) -> dict[int, dict[str, float]]:
+def arm_scores(records: list[dict], last: int | None = None, key: str = "eval_acc") -> dict[int, dict[str, float]]:
     """``{pair_seed: {arm: mean held-out accuracy (points)}}`` over all of the arm's evals in step order (the
-    primary score: the area under its learning curve), or over its last ``last`` evals (the secondary one)."""
+    primary score: the area under its learning curve), or over its last ``last`` evals (the secondary one);
+    ``key``: ``eval_acc`` (the served policy) or ``master_acc`` (the fp32 masters)."""
     evals: dict[int, dict[str, list[tuple[int, float]]]] = {}
     for r in records:
-        if r.get("eval_acc") is not None:
-            evals.setdefault(r["pair_seed"], {}).setdefault(r["arm"], []).append((r["step"], r["eval_acc"]))
+        if r.get(key) is not None:
+            evals.setdefault(r["pair_seed"], {}).setdefault(r["arm"], []).append((r["step"], r[key]))
     out = {}
     for s, arms in evals.items():
         out[s] = {}
@@ -122,3 +125,28 @@ def reward_rise(records: list[dict], arm: str, window: int = 30) -> tuple[float,
     k = max(1, min(window, len(steps) // 2))
     first, last = sum(curve[:k]) / k, sum(curve[-k:]) / k
     return first, last, (last - first) / (1 - first) if first < 1 else float("nan")
+
+
+def fitted_delay(records: list[dict], arm: str, key: str, reference: str) -> float:
+    """How many steps the arm's held-out curve trails ``reference``'s: the shift d (whole steps, 0 to the last
+    eval step) that minimises the mean over the arm's eval steps t of (arm(t) - ref(t - d))**2, on the mean
+    curves over pairs of ``key`` (``eval_acc``: the served policy; ``master_acc``: the masters), ref linearly
+    interpolated between its evals and held at its step-0 value before step 0. The smallest such d on ties;
+    NaN when either arm has no evals or a NaN score. A curve that never rises fits every d alike (then 0): read it beside the
+    curves.
+    """
+    xs, ys, _, _ = mean_curves(records, arm, key)
+    rx, ry, _, _ = mean_curves(records, reference, key)
+    if not xs or not rx or any(math.isnan(v) for v in ys + ry):
+        return float("nan")
+
+    def ref(t: float) -> float:
+        if t <= rx[0]:
+            return ry[0]
+        for (x0, y0), (x1, y1) in zip(zip(rx, ry), zip(rx[1:], ry[1:])):
+            if t <= x1:
+                return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
+        return ry[-1]
+
+    errors = [sum((y - ref(x - d)) ** 2 for x, y in zip(xs, ys)) / len(xs) for d in range(int(xs[-1]) + 1)]
+    return float(errors.index(min(errors)))
