@@ -49,6 +49,7 @@ def launch(worker, world: int, *args, reported: list[str]) -> None:
       :data:`GRACE_S` seconds to finish (rank 0 may still be writing its record) before they are
       terminated.
     Raises:
+        ValueError: ``reported`` is empty (every abort would then pass for finished).
         torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a rank failed; for a
             crash, the message ends with the Python stack of each rank that faulthandler caught.
     """
