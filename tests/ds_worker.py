@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from helpers import launch
+from helpers import launch, save_record
 
 
 def tiny_model() -> torch.nn.Module:
@@ -250,8 +250,7 @@ def _worker(rank, world_size, port, opts, out_path):
         record["reference"] = {"optimizer": type(reference.optimizer).__name__,
                                "fair": hasattr(reference.optimizer, "export_cast"), "bf16": gathered(reference.module)}
     record["export_step"] = export.caster.step if export else None
-    torch.save(record, f"{out_path}.{rank}.tmp")
-    os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}")  # complete, or absent
+    save_record(record, f"{out_path}.{rank}")
     engine.destroy()
     torch.distributed.destroy_process_group()
 

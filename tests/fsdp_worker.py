@@ -13,7 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from helpers import launch
+from helpers import launch, save_record
 
 DIM = 13
 
@@ -352,8 +352,7 @@ def _worker(rank, world, port, jobs, out):
                 records.append({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
             dist.barrier()
         if rank == 0:
-            torch.save(records, f"{out}.tmp")
-            os.replace(f"{out}.tmp", out)  # complete, or absent
+            save_record(records, out)
     finally:
         dist.destroy_process_group()
 

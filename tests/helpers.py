@@ -27,6 +27,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def save_record(obj, path: str) -> None:
+    """``torch.save`` to ``path`` complete or not at all (written aside, then renamed): what a rank reports
+    for :func:`launch`'s ``reported``."""
+    torch.save(obj, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
+
+
 def _rank(rank, worker, world, port, fault, args):
     # a native crash (SIGABRT, SIGSEGV, ...) leaves the Python stack here, at exit too: the file stays open
     faulthandler.enable(file=open(f"{fault}.{rank}", "w"), all_threads=True)  # noqa: SIM115

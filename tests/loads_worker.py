@@ -17,7 +17,7 @@ import tempfile
 import torch
 
 from ds_worker import batch, ds_config
-from helpers import launch
+from helpers import launch, save_record
 
 EF = {"mode": "fair", "method": "error_feedback"}
 SAVED_LR = [(1e-3, 0.0), (2e-3, 0.1), (3e-3, 0.05)]  # (lr, weight decay) of the 3 param groups
@@ -150,8 +150,7 @@ def _worker(rank, world_size, port, path, folder, out_path):
         if hide_latest and rank == 0:
             os.replace(latest + ".hidden", latest)
     record["universal_error"] = universal_error
-    torch.save(record, f"{out_path}.{rank}.tmp")
-    os.replace(f"{out_path}.{rank}.tmp", f"{out_path}.{rank}")
+    save_record(record, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
 

@@ -90,8 +90,8 @@ def _worker(rank, tp, port, model_name, dtype_name, tiny, out_path):
         record["pad_grad_max"] = max((float(grads[k][~m].float().abs().max()) for k, m in masks.items()), default=None)
         record["pad_weight_max"] = max((float(full[k][~m].float().abs().max()) for k, m in masks.items()), default=None)
         record["real_grad_nonzero"] = all(bool(g.float().abs().max() > 0) for g in grads.values())
-        torch.save(record, f"{out_path}.tmp")
-        os.replace(f"{out_path}.tmp", out_path)  # complete, or absent
+        from helpers import save_record
+        save_record(record, out_path)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

@@ -32,7 +32,7 @@ import zlib
 
 import torch
 
-from helpers import launch, logged_warnings
+from helpers import launch, logged_warnings, save_record
 
 SEQ, MBS, MICRO, VOCAB = 8, 2, 2, 64
 
@@ -647,8 +647,7 @@ def _worker(rank, world, port, tp, pp, jobs, out_path, device="cpu", ep=1, etp=N
         raise
     finally:
         if rank == 0:
-            torch.save(records, f"{out_path}.tmp")
-            os.replace(f"{out_path}.tmp", out_path)  # complete, or absent
+            save_record(records, out_path)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
