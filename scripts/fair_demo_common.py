@@ -33,11 +33,16 @@ TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
 
 
 def export_cast_config(method: str, seed: int) -> dict:
-    """The ``export_cast`` config dict of an arm in :data:`ARMS` (seed: int64)."""
-    if method in FP8_ARMS:
-        return {**export_cast_config(FP8_ARMS[method], seed), "format": "fp8"}
+    """The ``export_cast`` config dict of an arm (seed: int64): a method of :data:`METHODS` (bf16 served
+    weights) or ``fp8_`` + one (FP8 per-channel served weights, ``format "fp8"``; the demo's: :data:`FP8_ARMS`).
+
+    Raises:
+        ValueError: any other arm name.
+    """
+    if method.startswith("fp8_") and method[4:] in METHODS:
+        return {**export_cast_config(method[4:], seed), "format": "fp8"}
     if method not in METHODS:
-        raise ValueError(f"unknown export method {method!r}; expected one of {ARMS}")
+        raise ValueError(f"unknown export method {method!r}; expected one of {METHODS} or fp8_ + one of them")
     if method == "nearest":
         return {"mode": "nearest"}
     return {"mode": "fair", "method": method, "seed": seed}

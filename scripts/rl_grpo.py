@@ -2,9 +2,12 @@
 exports its bf16 weights to a separate rollout engine that alone generates the training data.
 Arms (the export cast) are compared in seed pairs, against the ``fp32`` oracle arm where it runs: the same
 GRPO with no bf16 anywhere (stock DeepSpeed without bf16, an fp32 rollout engine), the curve every cast
-should follow.
+should follow. The ``fp8_*`` arms serve the 2-D linear weights as FP8 E4M3 with a scale per output channel
+(``export_cast`` ``format "fp8"``, cast from the fp32 masters; the bf16 model trains as in the bf16 arms) into a
+vLLM FP8 engine of their own (compressed-tensors, activations cast to FP8 per token), and are compared with
+``fp8_nearest``, what RL stacks serve.
 
-    make rl                                                        # tiny model, 2 seed pairs, 5 arms
+    make rl                                                        # tiny model, 2 seed pairs, 5 arms (bf16, FP8)
     torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py --pairs 25
     torchrun --standalone --nproc_per_node 2 scripts/rl_grpo.py --model smollm2 --pairs 1 --steps 2
 
@@ -66,8 +69,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fair_demo_common import METHODS, SMOLLM2_GGUF, TINY_LLAMA, export_cast_config
-from rl.engines import RolloutEngine, VllmEngine, check_synced, flat_bits, sync_weights
-from rl.stats import BASELINE, arm_scores, compare_arms, fitted_delay, lag_peak, mean_curves, recovery, reward_rise
+from rl.engines import RolloutEngine, VllmEngine, check_synced, flat_bits, served_values, sync_weights
+from rl.stats import (BASELINE, FP8_BASELINE, arm_scores, baseline_of, compare_arms, compare_formats, fitted_delay,
+                      lag_peak, mean_curves, recovery, reward_rise)
 
 SPLITS = ("train", "eval")
 HELD_OUT = 8  # 1 problem in HELD_OUT is held out: by a hash of its expression (held_out)
@@ -76,7 +80,12 @@ TINY = {**TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 1}
 ENGINES = ("vllm", "hf")
 EVAL_SEED = 1_000_003
 ORACLE = "fp32"  # the arm served without rounding: fp32 trainer (no bf16 anywhere), fp32 rollout engine
-ARMS = (*METHODS, ORACLE)
+#: served as FP8 E4M3 per output channel (``export_cast`` ``format "fp8"``) into a vLLM FP8 engine, compared with
+#: FP8_BASELINE (``fp8_nearest``: what RL stacks serve)
+FP8_ARMS = ("fp8_nearest", "fp8_stochastic", "fp8_dithered")
+ARMS = (*METHODS, *FP8_ARMS, ORACLE)
+#: the arms of the docs' table (docs/rl-results.md): round-to-nearest and dithered into bf16 and into FP8, the oracle
+DEFAULT_ARMS = ("nearest", "dithered", "fp8_nearest", "fp8_dithered", ORACLE)
 
 
 def parse_args(argv=None):
@@ -85,10 +94,11 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
                    help="tiny: a small byte-level Llama after a supervised warm start; smollm2: the bundled "
                         "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)")
-    p.add_argument("--arms", default=",".join(ARMS),
-                   help=f"comma-separated arms, from {ARMS}; must include {BASELINE!r}. {ORACLE!r} is the oracle: "
-                        "the same run with no bf16 anywhere (fp32 DeepSpeed trainer, fp32 rollout engine), the "
-                        "curve every cast should follow")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help=f"comma-separated arms, from {ARMS}; must include {BASELINE!r}, and {FP8_BASELINE!r} with any "
+                        f"FP8 arm (fp8_*: FP8 per-channel served weights into a vLLM FP8 engine, compared with "
+                        f"{FP8_BASELINE!r}). {ORACLE!r} is the oracle: the same run with no bf16 anywhere (fp32 "
+                        "DeepSpeed trainer, fp32 rollout engine), the curve every cast should follow")
     p.add_argument("--engine", choices=ENGINES, default="vllm" if importlib.util.find_spec("vllm") else "hf",
                    help="rollout engine: vllm (one vLLM engine on rank 0 samples every rank's rollouts; weights "
                         "through vllm_receiver) or hf (a bf16 HF copy per rank, generate()) "
@@ -141,8 +151,8 @@ def parse_args(argv=None):
                    help="save each arm's final fp32 master weights, as scored: OUT_DIR/pair_SEED/masters_ARM.safetensors")
     p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
                    help="train nothing: summarize finished runs' --out-dir folders into --out-dir, as one run of "
-                        "all their pairs (launches with the same settings but --seed / --pairs, e.g. 25 pairs in "
-                        "5 launches)")
+                        "all their pairs (launches with the same settings but --seed / --pairs / --arms, e.g. 25 "
+                        "pairs in 5 launches; each arm is scored on the pairs that ran it)")
     args = p.parse_args(argv)
     tiny = args.model == "tiny"
     args.steps = args.steps if args.steps is not None else (300 if tiny else 20)
@@ -150,9 +160,13 @@ def parse_args(argv=None):
     args.max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (4 if tiny else 24)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in args.arms if a not in ARMS]
-    if bad or BASELINE not in args.arms or len(set(args.arms)) != len(args.arms):
-        p.error(f"--arms {','.join(args.arms)}: each arm must be one of {ARMS}, once, and {BASELINE!r} "
-                f"must be among them (unknown: {bad})")
+    fp8 = [a for a in args.arms if a in FP8_ARMS]
+    if bad or BASELINE not in args.arms or len(set(args.arms)) != len(args.arms) or \
+            (fp8 and FP8_BASELINE not in args.arms):
+        p.error(f"--arms {','.join(args.arms)}: each arm must be one of {ARMS}, once, {BASELINE!r} must be among "
+                f"them, and {FP8_BASELINE!r} with any FP8 arm (unknown: {bad})")
+    if fp8 and args.engine != "vllm":
+        p.error(f"--arms {','.join(fp8)}: the FP8 arms need --engine vllm (an FP8 engine; the HF engine is bf16)")
     for name in ("terms", "digits", "pairs", "steps", "prompts", "group", "minibatches", "max_new_tokens", "eval_size", "eval_every",
                  "eval_last", "lag_sample", "warm_batch"):
         if getattr(args, name) < 1:
@@ -436,8 +450,8 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
     def gather_master():  # collective (ZeRO-2 partitions): every rank calls it
         return torch.cat([safe_get_full_fp32_param(params[n]).reshape(-1) for n in names])
 
-    def served():
-        return torch.cat([params[n].detach().reshape(-1) for n in names]).clone()
+    def served():  # (the values the rollout engine computes with, fp32 flat (FP8: q * scale), their codes); collective
+        return served_values(engine, names)
 
     def evaluate(engine) -> tuple[float, list[list[int]]]:  # held-out accuracy (points), this rank's completions
         right, completions = count_correct(engine, task, eval_set, range(rank, len(eval_set), world),
@@ -453,7 +467,7 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
         row.update(eval_acc=acc, master_acc=master_acc, master_eval_sha=ranks_sha(json.dumps(completions).encode()))
         return acc
 
-    master, served_now = gather_master(), served()
+    master, (served_now, codes_now) = gather_master(), served()
     lag = LagTracker(master.numel(), args.lag_sample, args.max_lag, seed=0) if rank == 0 else None
     if rank == 0:
         lag.update(master[lag.index], served_now[lag.index])
@@ -480,7 +494,11 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
                 flat = as_params(master)
                 kw = dict(attention_mask=roll["attention_mask"], position_ids=position_ids(roll["attention_mask"]))
                 m_logits = torch.func.functional_call(masters.model, flat, (roll["ids"],), kw).logits[:, :-1]
-                s_logits = engine.module(roll["ids"], **kw).logits[:, :-1]  # the served weights, in the trainer
+                if arm in FP8_ARMS:  # the served FP8 weights, dequantized (q * scale), in an fp32 forward
+                    s_logits = torch.func.functional_call(masters.model, as_params(served_now), (roll["ids"],),
+                                                          kw).logits[:, :-1]
+                else:  # the served weights, in the trainer
+                    s_logits = engine.module(roll["ids"], **kw).logits[:, :-1]
             row["logp_gap"], row["kl"] = logprob_gap(m_logits, s_logits, roll["ids"][:, 1:], roll["mask"])
         step_ms = sync_ms = clip_frac = 0.0
         moved = dict(rollout.receiver.totals) if getattr(rollout, "receiver", None) is not None else None
@@ -508,16 +526,19 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
             check_synced(engine, rollout, f"arm {arm}, seed {seed}, step {step}")
         reward = torch.tensor([rewards.sum().item(), float(len(rewards))])
         dist.all_reduce(reward)
-        previous_served = served_now
+        previous_served, previous_codes = served_now, codes_now
         previous_sample = master[lag.index] if rank == 0 else None
-        master, served_now = gather_master(), served()
+        master, (served_now, codes_now) = gather_master(), served()
         if step % args.eval_every == 0 or step == args.steps:
             acc = evaluate_both(row)
         if rank == 0:
             update = (master[lag.index] - previous_sample).abs() / bf16_spacing(previous_sample)
             row.update(reward=reward[0].item() / reward[1].item(),
                        master_sha=hashlib.sha256(master.numpy().tobytes()).hexdigest()[:16],
-                       changed_pct=100.0 * (flat_bits(served_now) != flat_bits(previous_served)).float().mean().item(),
+                       changed_pct=100.0 * (codes_now != previous_codes).float().mean().item(),
+                       # FP8: weights whose code stayed but whose value moved, their channel's scale having changed
+                       rescaled_pct=100.0 * ((codes_now == previous_codes) & (flat_bits(served_now) !=
+                                                                              flat_bits(previous_served))).float().mean().item(),
                        lag_steps=lag.update(master[lag.index], served_now[lag.index]),
                        gap_ulps=gap_ulps(served_now[lag.index], master[lag.index]),
                        update_ulps=update[torch.isfinite(update)].median().item(),
@@ -546,7 +567,7 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
 # ----------------------------------------------------------------------------- summary
 #: steps.csv's columns
 FIELDS = ["pair_seed", "arm", "step", "reward", "eval_acc", "master_acc", "logp_gap", "kl", "engine_dlogp",
-          "engine_kl", "changed_pct", "lag_steps", "gap_ulps", "update_ulps", "step_ms", "sync_ms", "gen_ms",
+          "engine_kl", "changed_pct", "rescaled_pct", "lag_steps", "gap_ulps", "update_ulps", "step_ms", "sync_ms", "gen_ms",
           "gen_tokens", "payload_bytes", "engine_bytes", "clip_frac", "rollout_sha", "master_sha", "master_eval_sha"]
 
 
@@ -569,12 +590,18 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    scores = arm_scores(records)  # primary: mean over all evals
-    table = compare_arms(scores, args.tie_band)
-    final = compare_arms(arm_scores(records, args.eval_last), args.tie_band)  # secondary
+    scores = arm_scores(records)  # primary: mean over all evals; every arm against round-to-nearest of its format
+    table, oracle_gains = compare_formats(scores, args.tie_band, ORACLE)
+    final, _ = compare_formats(arm_scores(records, args.eval_last), args.tie_band, ORACLE)  # secondary
     master_scores = arm_scores(records, key="master_acc")  # none in runs from before master scoring
-    masters = compare_arms(master_scores, args.tie_band) if master_scores else {}
+    masters = compare_formats(master_scores, args.tie_band, ORACLE)[0] if master_scores else {}
     steps = [r for r in records if r["step"] > 0]
+
+    def delay_of(arm, key):  # behind the oracle, over the pairs that ran the arm
+        if ORACLE not in args.arms:
+            return None
+        ran = {r["pair_seed"] for r in records if r["arm"] == arm}
+        return fitted_delay([r for r in records if r["pair_seed"] in ran], arm, key, ORACLE)
 
     def mean(arm, key, rows=steps):
         vals = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None]
@@ -586,24 +613,24 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
           f"{args.eval_every} steps and step 0: the area under the learning curve), tie band +-{args.tie_band:g} "
           f"points vs {BASELINE}, gain with a 95% paired bootstrap interval; secondary = the final score, mean of "
           f"the last {args.eval_last} evals.", "",
-          "| arm | primary score (points) | gain vs nearest [95% CI] | W / T / L | recovery of fp32's gain "
+          "| arm | pairs | primary score (points) | gain vs nearest of its format [95% CI] | W / T / L | "
+          "recovery of fp32's gain "
           "| final score | final gain | masters' primary score | delay behind fp32, served / masters (steps) | "
           "reward (mean/step) | changed %/step | lag at end (steps) | lag peak (steps) | gap ulps | update ulps/step "
           "| \\|dlogp\\|/tok | KL/tok | trainer-engine \\|dlogp\\|/tok | trainer-engine KL/tok | "
           "sync KB/step (sent / into engine) | step ms | sync ms |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
-    oracle_gain = table[ORACLE]["mean_gain"] if ORACLE in table else None
+    oracle_gain = oracle_gains.get(BASELINE)
     for arm in args.arms:
-        t = table[arm]
+        t, base = table[arm], baseline_of(arm)
         rows.append(dict(arm=arm, score=t["mean_score"], mean_gain=t["mean_gain"], gain_lo=t["gain_ci"][0],
                          gain_hi=t["gain_ci"][1], wins=t["wins"], ties=t["ties"], losses=t["losses"], pairs=t["pairs"],
-                         recovery=None if oracle_gain is None or arm in (BASELINE, ORACLE) else
-                         recovery(t["mean_gain"], oracle_gain, args.tie_band),
+                         recovery=None if base not in oracle_gains or arm in (base, ORACLE) else
+                         recovery(t["mean_gain"], oracle_gains[base], args.tie_band),
                          final_score=final[arm]["mean_score"], final_gain=final[arm]["mean_gain"],
                          master_score=masters.get(arm, {}).get("mean_score", float("nan")),
-                         delay=fitted_delay(records, arm, "eval_acc", ORACLE) if ORACLE in args.arms else None,
-                         master_delay=fitted_delay(records, arm, "master_acc", ORACLE) if ORACLE in args.arms else None,
+                         delay=delay_of(arm, "eval_acc"), master_delay=delay_of(arm, "master_acc"),
                          reward=mean(arm, "reward"), changed_pct=mean(arm, "changed_pct"),
                          lag_end=mean(arm, "lag_steps", last), lag_peak=lag_peak(records, arm),
                          gap_ulps=mean(arm, "gap_ulps"), update_ulps=mean(arm, "update_ulps"),
@@ -612,14 +639,15 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
                          engine_kb=mean(arm, "engine_bytes") / 1e3, step_ms=mean(arm, "step_ms"),
                          sync_ms=mean(arm, "sync_ms")))
         r = rows[-1]
-        wtl = "-" if arm == BASELINE else f"{r['wins']} / {r['ties']} / {r['losses']}"
+        wtl = "-" if arm == base else f"{r['wins']} / {r['ties']} / {r['losses']}"
         sync_kb = "-" if math.isnan(r["payload_kb"]) else f"{r['payload_kb']:.1f} / {r['engine_kb']:.1f}"
-        gain = "-" if arm == BASELINE else f"{r['mean_gain']:+.2f} [{r['gain_lo']:+.2f}, {r['gain_hi']:+.2f}]"
-        final_gain = "-" if arm == BASELINE else f"{r['final_gain']:+.2f}"
-        rec = "-" if oracle_gain is None or arm in (BASELINE, ORACLE) else \
+        gain = "-" if arm == base else f"{r['mean_gain']:+.2f} [{r['gain_lo']:+.2f}, {r['gain_hi']:+.2f}]"
+        final_gain = "-" if arm == base else f"{r['final_gain']:+.2f}"
+        rec = "-" if base not in oracle_gains or arm in (base, ORACLE) else \
             "n/a" if r["recovery"] is None else f"{r['recovery']:.2f}"
         delay = "-" if r["delay"] is None or arm == ORACLE else f"{r['delay']:.0f} / {r['master_delay']:.0f}"
-        md.append(f"| {arm} | {r['score']:.2f} | {gain} | {wtl} | {rec} | {r['final_score']:.2f} | {final_gain} | "
+        md.append(f"| {arm} | {r['pairs']} | {r['score']:.2f} | {gain} | {wtl} | {rec} | {r['final_score']:.2f} | "
+                  f"{final_gain} | "
                   f"{'n/a' if math.isnan(r['master_score']) else format(r['master_score'], '.2f')} | {delay} | "
                   f"{r['reward']:.3f} | {r['changed_pct']:.3f} | {r['lag_end']:.1f} | {r['lag_peak']:.1f} | "
                   f"{r['gap_ulps']:.3f} | {r['update_ulps']:.3f} | "
@@ -628,7 +656,18 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
     md += [""]
     if oracle_gain is not None:
         md.append(f"Recovery = (arm - nearest) / (fp32 - nearest) on the mean primary scores, the fp32 oracle's gain "
-                  f"being {oracle_gain:+.2f} points (declared: n/a when that is below the tie band, {args.tie_band:g}).")
+                  f"being {oracle_gain:+.2f} points (declared: n/a when that is below the tie band, {args.tie_band:g})"
+                  + (f"; the FP8 arms' against {FP8_BASELINE}, over which the oracle gains "
+                     f"{oracle_gains[FP8_BASELINE]:+.2f} points on their pairs." if FP8_BASELINE in oracle_gains else "."))
+        for arm in ("dithered", "fp8_dithered"):  # dithered barely lags: what still separates it from the oracle
+            both = {p: {a: v for a, v in arms.items() if a in (arm, ORACLE)} for p, arms in scores.items()
+                    if arm in arms and ORACLE in arms}
+            if both:
+                res = compare_arms(both, args.tie_band, arm)[ORACLE]
+                md.append(f"Oracle minus {arm} (the part of the gap that is not lag; {arm}'s mean lag is "
+                          f"{mean(arm, 'lag_steps'):.1f} steps): "
+                          f"{res['mean_gain']:+.2f} [{res['gain_ci'][0]:+.2f}, {res['gain_ci'][1]:+.2f}] points "
+                          f"over {res['pairs']} pairs.")
         md.append(f"Delay = the shift in steps that best aligns the arm's mean held-out curve with the {ORACLE} oracle's "
                   "(least squares, rl.stats.fitted_delay), for the served policy and for the fp32 masters; a flat "
                   "curve fits any shift (then 0).")
@@ -676,7 +715,7 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
 #: settings that may differ between launches merged into one summary (the pairs they ran)
 #: (init_sha, compared, names the starting policy, however it was made: warm-start settings or --init-weights)
 MERGE_FREE = ("seed", "pairs", "out_dir", "merge", "save_masters", "init_weights", "init_seed", "warm_steps", "warm_lr",
-              "warm_batch")
+              "warm_batch", "arms")
 _INTS = ("pair_seed", "step", "lag_steps", "gen_tokens", "payload_bytes", "engine_bytes")
 _STRS = ("arm", "rollout_sha", "master_sha", "master_eval_sha")
 
@@ -719,24 +758,42 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
 def run_notes(records: list[dict], args) -> list[str]:
     """The lines under the summary table: the measured update size, the regime, the engine, the checks."""
     updates = [r["update_ulps"] for r in records if r.get("update_ulps") is not None]
-    rtn = [r for r in records if r["arm"] == BASELINE and r.get("changed_pct") is not None]
+
+    def regime(arm):
+        rtn = [r for r in records if r["arm"] == arm and r.get("changed_pct") is not None]
+        return f"{sum(r['changed_pct'] for r in rtn) / len(rtn):.2f}% of the served weights per step and its lag " \
+               f"peaks at {lag_peak(records, arm):.1f} steps"
+
+    def rescaled(arm):
+        vals = [r["rescaled_pct"] for r in records if r["arm"] == arm and r.get("rescaled_pct") is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    def shared(arms):  # within every pair, the step-1 rollouts of these arms (those the pair ran) are one
+        return all(len({r["rollout_sha"] for r in records if r["step"] == 1 and r["pair_seed"] == s
+                        and r["arm"] in arms}) <= 1 for s in {r["pair_seed"] for r in records})
+    fp8 = any(r["arm"] == FP8_BASELINE for r in records)
     return [f"Measured AdamW update: median {sorted(updates)[len(updates) // 2]:.3f} bf16 ulps per element per "
             f"step (the paper's regime: 0.02-0.2).",
-            f"Regime: round-to-nearest changes {sum(r['changed_pct'] for r in rtn) / len(rtn):.2f}% of the served "
-            f"weights per step and its lag peaks at {lag_peak(records, BASELINE):.1f} steps (the paper's: "
-            f"0.4-0.5% per step, lag 50-150 steps).",
+            f"Regime: round-to-nearest changes {regime(BASELINE)} (the paper's: 0.4-0.5% per step, lag 50-150 "
+            "steps)." + (f" Into FP8, round-to-nearest changes {regime(FP8_BASELINE)} (lag capped at --max-lag "
+                         f"{args.max_lag}; changed = the E4M3 code changed), and its rescaled channels move "
+                         f"{rescaled(FP8_BASELINE):.2f}% more of the served weights per step by their scale alone."
+                         if fp8 else ""),
             "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
                                  else f"tiny byte-level Llama, from {args.init_weights}" if getattr(args, "init_weights", None)
                                  else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps")
             + f", rounded to bf16 (every arm's masters start there; state sha256 {getattr(args, 'init_sha', None)}).",
             f"Rollout engine: {'vLLM (one engine on rank 0 for all ranks)' if args.engine == 'vllm' else 'HF generate (a bf16 copy per rank)'}"
             f"{f' (the {ORACLE} arm: an fp32 one of its own)' if ORACLE in args.arms else ''}"
+            f"{' (the FP8 arms: an FP8 per-channel one of their own)' if fp8 else ''}"
             f", {args.sync} weight sync; generation {sum(r['gen_tokens'] for r in records if r['step']) / max(1e-9, sum(r['gen_ms'] for r in records if r['step']) / 1e3):.0f} "
             f"completion tokens/s (rollouts, all ranks).",
             "Rollout engine == trainer bf16 model, bit for bit, after every sync: True (checked each step"
-            + (", read back from vLLM through its kernels)." if args.engine == "vllm" else ")."),
-            f"Step-1 rollouts (every rank's) identical across all arms within every pair, the {ORACLE} oracle included: "
-            f"{all(len({r['rollout_sha'] for r in records if r['step'] == 1 and r['pair_seed'] == s}) == 1 for s in {r['pair_seed'] for r in records})}",
+            + (", read back from vLLM through its kernels; FP8 arms: the FP8 weights and scales served)."
+               if args.engine == "vllm" else ")."),
+            f"Step-1 rollouts (every rank's) identical across all bf16 arms within every pair, the {ORACLE} oracle "
+            f"included: {shared((*METHODS, ORACLE))}"
+            + (f"; across the FP8 arms: {shared(FP8_ARMS)} (each serves its own FP8 cast of the start)." if fp8 else ""),
             *(f"Rollout reward of {arm}: {first:.3f} -> {last:.3f} (means of its first and last 30 steps, at most half "
               f"the run each), {share:+.2f} of its room"
               for arm in (ORACLE, BASELINE) if arm in args.arms for first, last, share in [reward_rise(records, arm)])]
@@ -748,7 +805,9 @@ def main(argv=None) -> list[dict]:
         if any(os.path.realpath(d) == os.path.realpath(args.out_dir) for d in args.merge):
             raise SystemExit(f"--merge: --out-dir {args.out_dir} is one of the folders merged (it would be overwritten)")
         records, settings = load_runs(args.merge)
+        ran = {r["arm"] for r in records}  # launches may run other arms (each arm is scored on the pairs it ran)
         merged = argparse.Namespace(**{**settings, "out_dir": args.out_dir, "merge": args.merge,
+                                       "arms": [a for a in ARMS if a in ran],
                                        "seed": min(r["pair_seed"] for r in records),
                                        "pairs": len({r["pair_seed"] for r in records})})
         print("\n" + summarize(records, merged, run_notes(records, merged)))
@@ -773,7 +832,7 @@ def main(argv=None) -> list[dict]:
     args.init_sha = state_sha(init_model)
     # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights; the oracle
     # arm has an fp32 engine of its own
-    dtypes = {arm: "float32" if arm == ORACLE else "bfloat16" for arm in args.arms}
+    dtypes = {arm: "float32" if arm == ORACLE else "fp8" if arm in FP8_ARMS else "bfloat16" for arm in args.arms}
     rollouts = {d: VllmEngine(init_model, task.eos, task.pad, args.out_dir, dtype=d) if args.engine == "vllm"
                 else RolloutEngine(init_model, task.eos, task.pad, dtype=getattr(torch, d))
                 for d in sorted(set(dtypes.values()))}

@@ -18,6 +18,12 @@ from rl import engines, stats  # noqa: E402
 
 ARMS = ("nearest", "stochastic", "error_feedback", "fp32")
 CASTS = ARMS[:3]  # the arms served in bf16 (fp32: the oracle, served without rounding)
+FP8 = ("fp8_nearest", "fp8_dithered")  # served as FP8 per channel: vLLM only (an FP8 engine)
+
+
+def _arms(engine: str) -> tuple[str, ...]:
+    """The arms of the shared launch on ``engine``, in the order they run."""
+    return (*CASTS, *FP8, "fp32") if engine == "vllm" else ARMS
 
 
 def test_compare_arms_counts_wins_ties_losses_against_nearest_with_the_tie_band():
@@ -39,6 +45,34 @@ def test_compare_arms_counts_wins_ties_losses_against_nearest_with_the_tie_band(
         stats.compare_arms({3: {"stochastic": 1.0}}, tie_band=1.0)
     with pytest.raises(ValueError, match="tie_band"):
         stats.compare_arms(scores, tie_band=-1)
+
+
+def test_fp8_arms_are_compared_with_fp8_nearest_on_the_pairs_that_ran_them():
+    """An FP8 arm's gain is over round-to-nearest into FP8, not into bf16, over the pairs that ran FP8 arms (launches
+    merged with and without them); the oracle's gain over each baseline is what recovery divides by."""
+    scores = {0: {"nearest": 40.0, "dithered": 42.0, "fp32": 44.0, "fp8_nearest": 30.0, "fp8_dithered": 38.0},
+              1: {"nearest": 40.0, "dithered": 41.0, "fp32": 43.0},
+              2: {"nearest": 50.0, "dithered": 50.0, "fp32": 50.0, "fp8_nearest": 45.0, "fp8_dithered": 44.5}}
+    table, oracle = stats.compare_formats(scores, 1.0, "fp32")
+    assert (table["fp8_dithered"]["pairs"], table["fp8_dithered"]["mean_gain"]) == (2, (8.0 - 0.5) / 2)
+    assert (table["fp8_dithered"]["wins"], table["fp8_dithered"]["ties"]) == (1, 1)
+    assert (table["dithered"]["pairs"], table["dithered"]["mean_gain"]) == (3, 1.0)
+    assert (table["fp32"]["pairs"], table["fp32"]["mean_gain"]) == (3, 7.0 / 3)  # the oracle's row: vs nearest
+    assert oracle == {"nearest": 7.0 / 3, "fp8_nearest": (14.0 + 5.0) / 2}
+    assert table["fp8_nearest"]["mean_gain"] == 0 and stats.baseline_of("fp8_stochastic") == "fp8_nearest"
+
+
+def test_served_values_dequantize_fp8_weights_with_their_channel_scales(monkeypatch):
+    """The lag and gap columns read the served values, an FP8 weight as q * weight_scale; changed weights, the codes."""
+    import deepspeed_hooks.served
+    q = torch.tensor([[1.0, -2.0], [0.5, 448.0]]).to(torch.float8_e4m3fn)
+    served = [("a.weight", q), ("a.weight_scale", torch.tensor([[0.25], [2.0**-9]])),
+              ("norm.weight", torch.tensor([1.5, 3.0], dtype=torch.bfloat16))]
+    monkeypatch.setattr(deepspeed_hooks.served, "served_weights", lambda engine: iter(served))
+    values, codes = engines.served_values(None, ["norm.weight", "a.weight"])
+    assert values.dtype == torch.float32 and values.tolist() == [1.5, 3.0, 0.25, -0.5, 2.0**-10, 448.0 * 2.0**-9]
+    # changed weights count codes (bf16 bits, E4M3 codes): a rescaled channel moves values, not codes
+    assert codes.tolist() == [*served[2][1].view(torch.int16).tolist(), *q.view(torch.int8).reshape(-1).tolist()]
 
 
 def test_arm_scores_average_the_last_evals_of_each_arm_and_pair():
@@ -231,7 +265,7 @@ def test_behaviour_logprobs_are_the_trainers_token_logprobs_of_the_same_bf16_wei
     for name, buf in model.named_buffers():  # RoPE inv_freq stays fp32, as in the DeepSpeed trainer
         mine = dict(engine.model.named_buffers())[name]
         assert mine.dtype == buf.dtype and torch.equal(mine, buf), name
-    engines.check_synced(type("E", (), {"module": trainer})(), engine, "start")  # same params and buffers
+    engines.check_synced(_stock(trainer), engine, "start")  # same params and buffers
     for prompts in ([[5, 6, 7] * 4] * 4, [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7] * 3] * 2):
         torch.manual_seed(1)
         roll = engine.generate(prompts, max_new_tokens=24)
@@ -260,12 +294,17 @@ def test_pack_rollouts_aligns_vllm_completions_with_the_trainers_targets():
     assert empty["completions"] == [] and empty["mask"].numel() == 0
 
 
+def _stock(module):
+    """A stand-in for a DeepSpeed engine without Fair Cast: what served_weights reads (``module``, ``optimizer``)."""
+    return type("E", (), {"module": module, "optimizer": None})()
+
+
 def test_check_synced_compares_buffers_too():
     model = _tiny_llama()
     engine, trainer = engines.RolloutEngine(model, eos=10, pad=0), _trainer_copy(model)
     trainer.model.rotary_emb.inv_freq.mul_(1 + 2**-20)
     with pytest.raises(RuntimeError, match="'model.rotary_emb.inv_freq' differs .* in 8 of 8 elements"):
-        engines.check_synced(type("E", (), {"module": trainer})(), engine, "here")
+        engines.check_synced(_stock(trainer), engine, "here")
 
 
 def test_rollout_engine_samples_the_full_softmax_whatever_the_models_generation_config_says():
@@ -316,7 +355,8 @@ def _run(engine: str, tmp_path_factory):
     """One launch of every arm on ``engine`` per test session: (out dir, process, steps.csv rows)."""
     if engine not in _RUNS:
         out = tmp_path_factory.mktemp(f"rl_{engine}")
-        proc = _launch(os.path.join(ROOT, "scripts", "rl_grpo.py"), out, "--engine", engine)
+        proc = _launch(os.path.join(ROOT, "scripts", "rl_grpo.py"), out, "--engine", engine, "--arms",
+                       ",".join(_arms(engine)))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         with open(out / "steps.csv") as f:
             _RUNS[engine] = (out, proc, list(csv.DictReader(f)))
@@ -328,11 +368,12 @@ def _run(engine: str, tmp_path_factory):
 def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pair(tmp_path_factory, engine):
     tmp_path, proc, rows = _run(engine, tmp_path_factory)
     assert "Rollout engine == trainer bf16 model, bit for bit, after every sync: True" in proc.stdout
-    assert [(r["arm"], r["step"]) for r in rows] == [(a, str(s)) for a in ARMS for s in (0, 1, 2)]
-    first = {r["arm"]: r["rollout_sha"] for r in rows if r["step"] == "1"}
+    arms = _arms(engine)
+    assert [(r["arm"], r["step"]) for r in rows] == [(a, str(s)) for a in arms for s in (0, 1, 2)]
+    first = {r["arm"]: r["rollout_sha"] for r in rows if r["step"] == "1" and r["arm"] in ARMS}
     assert len(first) == len(ARMS) and len(set(first.values())) == 1, first  # same first rollouts, the oracle's too
-    assert ("Step-1 rollouts (every rank's) identical across all arms within every pair, the fp32 oracle included: "
-            "True") in proc.stdout
+    assert ("Step-1 rollouts (every rank's) identical across all bf16 arms within every pair, the fp32 oracle "
+            "included: True") in proc.stdout
     oracle = [r for r in rows if r["arm"] == "fp32" and r["step"] != "0"]  # served = the master, unrounded
     assert all(float(r["gap_ulps"]) == 0 and float(r["logp_gap"]) == 0 and r["lag_steps"] == "0" for r in oracle)
     for r in rows:
@@ -342,17 +383,25 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
     # every arm's masters start from the same (bf16-exact) weights: DeepSpeed's bf16 arms round them, so the oracle's too
     assert len({r["master_sha"] for r in rows if r["step"] == "0"}) == 1
     # the engine's sampling log-probs are the trainer's forward of the same bf16 weights up to kernel noise
-    # (vLLM: ~1e-3; an off-by-one position or a stale tied head gives 0.1-10)
+    # (vLLM: ~1e-3; FP8 arms, FP8 weights and activations against the trainer's bf16: ~6e-3 here; an off-by-one
+    # position or a stale tied head gives 0.1-10)
     assert all(0 <= float(r["engine_dlogp"]) < 0.02 for r in rows if r["step"] != "0")
     if engine == "vllm":  # a full sync sends every element once and rewrites each into the engine once
-        for arm, size in [*((a, 2) for a in CASTS), ("fp32", 4)]:  # bytes per element: bf16, fp32
+        # bytes: bf16 2, fp32 4 per element; FP8: 73,728 linear-weight elements of 1 byte, 1,024 fp32 channel scales,
+        # the other 16,704 elements (embedding, norms) bf16
+        for arm, size in [*((a, 2 * 90432) for a in CASTS), ("fp32", 4 * 90432),
+                          *((a, 73728 + 4 * 1024 + 2 * 16704) for a in FP8)]:
             sent = [r for r in rows if r["step"] != "0" and r["arm"] == arm]
-            assert {r["payload_bytes"] for r in sent} == {r["engine_bytes"] for r in sent} == {str(size * 90432)}
+            assert {r["payload_bytes"] for r in sent} == {r["engine_bytes"] for r in sent} == {str(size)}
+        # E4M3 keeps 3 mantissa bits to bf16's 7: the same masters change fewer served weights (here ~28% vs ~100%)
+        for a, b in zip((r for r in rows if r["arm"] == "fp8_nearest"), (r for r in rows if r["arm"] == "nearest")):
+            assert a["step"] == "0" or 0 < float(a["changed_pct"]) < float(b["changed_pct"]) / 2, (a, b)
+        assert "Into FP8, round-to-nearest changes" in proc.stdout
     for name in ("summary.csv", "summary.md", "curves.png"):
         assert os.path.getsize(tmp_path / name) > 100
     with open(tmp_path / "summary.csv") as f:
         summary = list(csv.DictReader(f))
-    assert [r["arm"] for r in summary] == list(ARMS)
+    assert [r["arm"] for r in summary] == list(arms)
     assert {"score", "gain_lo", "gain_hi", "final_score", "final_gain", "lag_peak"} <= set(summary[0])
     # the regime the run was in, printed: round-to-nearest's churn and its peak lag
     nearest = [r for r in rows if r["arm"] == "nearest" and r["step"] != "0"]
@@ -375,7 +424,7 @@ def test_the_masters_are_scored_as_a_separate_fp32_forward_scores_them(tmp_path_
     out, _, rows = _run(engine, tmp_path_factory)
     task = rl_grpo.Task("tiny")
     held = task.problems(8, seed=rl_grpo.EVAL_SEED, split="eval", distinct=True)
-    for arm in ARMS:
+    for arm in _arms(engine):
         model = LlamaForCausalLM(LlamaConfig(**rl_grpo.TINY, eos_token_id=task.eos, pad_token_id=task.pad,
                                              bos_token_id=None)).eval()
         load_model(model, str(out / "pair_0" / f"masters_{arm}.safetensors"))
@@ -417,7 +466,7 @@ def test_rl_loop_stops_when_the_rollout_engine_is_not_sent_the_served_weights(tm
     proc = _launch(os.path.join(ROOT, "tests", "rl_planted_worker.py"), tmp_path)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "arm stochastic" in out and "differs from the trainer's bf16 model" in out, out[-3000:]
+    assert "arm stochastic" in out and "differs from what the trainer serves" in out, out[-3000:]
 
 
 @pytest.mark.slow
@@ -489,3 +538,15 @@ def test_merge_summarizes_launches_as_one_run_and_refuses_mixed_settings(tmp_pat
     assert " | n/a | " in (tmp_path / "old_merged" / "summary.md").read_text()
     with pytest.raises(SystemExit, match="not a finished run's folder"):  # `--merge runs/x/*` over a merged x
         rl_grpo.load_runs([str(tmp_path / "steps.csv")])
+    fewer = tmp_path / "fewer_arms"  # another launch, pair 1, without error_feedback: each arm on the pairs it ran
+    fewer.mkdir()
+    (fewer / "args.json").write_text(json.dumps({**saved, "seed": 1, "arms": [a for a in ARMS if a != "error_feedback"]}))
+    with open(hf / "steps.csv") as f, open(fewer / "steps.csv", "w", newline="") as g:
+        rows = [{**r, "pair_seed": "1"} for r in csv.DictReader(f) if r["arm"] != "error_feedback"]
+        w = csv.DictWriter(g, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    rl_grpo.main(["--merge", str(fewer), str(hf), "--out-dir", str(tmp_path / "mixed")])
+    with open(tmp_path / "mixed" / "summary.csv") as f:
+        pairs = {r["arm"]: r["pairs"] for r in csv.DictReader(f)}
+    assert pairs == {"nearest": "2", "stochastic": "2", "error_feedback": "1", "fp32": "2"}

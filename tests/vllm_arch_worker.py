@@ -197,13 +197,6 @@ def moe_run(arch: str, llm, receiver) -> dict:
     return rep
 
 
-FP8_CONFIG = {  # a compressed-tensors FP8_DYNAMIC checkpoint: FP8 weights with a scale per output channel
-    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-    "ignore": ["lm_head"], "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
-        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
-                              "symmetric": True}}}}
 
 
 def fp8_served(master: dict[str, torch.Tensor], previous: dict | None, key=None) -> dict[str, torch.Tensor]:
@@ -267,7 +260,7 @@ def fp8_run(tmp: str) -> dict:
     trainer serving dithered FP8 (:func:`fp8_trainer`), each verified, and vLLM's log-probs follow an fp32
     forward of q * scale."""
     from safetensors.torch import save_file
-    from vllm_receiver import VllmReceiver
+    from vllm_receiver import FP8_CHANNEL_QUANTIZATION, VllmReceiver
     path = os.path.join(tmp, "fp8")
     model = hf_model("LlamaForCausalLM", 0)  # the fp32 reference forward: holds whatever weights it is given
     start_weights = fp8_served({n: t.clone() for n, t in model.state_dict().items()}, None)
@@ -278,7 +271,7 @@ def fp8_run(tmp: str) -> dict:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(dict(config, quantization_config=FP8_CONFIG), f)
+        json.dump(dict(config, quantization_config=FP8_CHANNEL_QUANTIZATION), f)
     llm = start(path, "vllm_receiver.FairCastWorkerExtension")
     try:
         receiver = VllmReceiver(llm)

@@ -59,10 +59,22 @@ from vllm_receiver.compat import TESTED_ARCHITECTURES
 from vllm_receiver.extension import FairCastWorkerExtension, digest
 from vllm_receiver.transport import SharedBuffer, aligned, nbytes, packed_size
 
-__all__ = ["VllmReceiver", "WORKER_EXTENSION", "WeightMismatch", "EngineUpdateError", "FairCastWorkerExtension"]
+__all__ = ["VllmReceiver", "WORKER_EXTENSION", "FP8_CHANNEL_QUANTIZATION", "WeightMismatch", "EngineUpdateError", "FairCastWorkerExtension"]
 
 #: what ``vllm.LLM(..., worker_extension_cls=...)`` takes for the receiver's worker side
 WORKER_EXTENSION = f"{FairCastWorkerExtension.__module__}.{FairCastWorkerExtension.__qualname__}"
+
+#: the ``quantization_config`` (in ``config.json``) of a checkpoint that vLLM serves as FP8 per channel: the
+#: compressed-tensors ``FP8_DYNAMIC`` scheme (``...proj.weight`` float8_e4m3fn ``[N, K]``, ``...proj.weight_scale``
+#: fp32 ``[N, 1]``, activations cast to FP8 per token), what ``export_cast`` ``format "fp8"`` serves with
+#: ``fp8_scales "channel"``; the head stays bf16
+FP8_CHANNEL_QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"], "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                              "symmetric": True}}}}
 
 
 class WeightMismatch(RuntimeError):

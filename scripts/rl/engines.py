@@ -117,8 +117,11 @@ class VllmEngine:
     Args:
         model: the initial policy (fp32 ``LlamaForCausalLM``); eos, pad: token ids; out_dir: where the
             engine's model folder goes (one per engine).
-        dtype: the engine's dtype: ``"bfloat16"``, or ``"float32"`` for the oracle arm (the same bf16
-            model folder; every weight is replaced by the first sync).
+        dtype: the engine's kind: ``"bfloat16"``; ``"float32"`` for the oracle arm (the same bf16 model folder;
+            every weight is replaced by the first sync); or ``"fp8"`` for the FP8 arms: a bf16 engine whose 2-D
+            linear weights are FP8 E4M3 with a scale per output channel (a compressed-tensors checkpoint,
+            :data:`vllm_receiver.FP8_CHANNEL_QUANTIZATION`; activations cast to FP8 per token), what ``export_cast``
+            ``format "fp8"`` serves.
     """
 
     def __init__(self, model, eos: int, pad: int, out_dir: str, per_rank: bool = False, dtype: str = "bfloat16"):
@@ -130,8 +133,10 @@ class VllmEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (the default takes GBs)
             from vllm import LLM
             from vllm_receiver import WORKER_EXTENSION, VllmReceiver
-            path = save_checkpoint(model, os.path.join(out_dir, "engine_model"))
-            self.llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+            fp8 = dtype == "fp8"
+            path = save_checkpoint(model, os.path.join(out_dir, "engine_model_fp8" if fp8 else "engine_model"), fp8)
+            self.llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True,
+                           dtype="bfloat16" if fp8 else dtype,
                            max_model_len=1024, seed=0, worker_extension_cls=WORKER_EXTENSION)
             self.receiver = VllmReceiver(self.llm)
         dist.barrier()
@@ -194,18 +199,35 @@ class VllmEngine:
                 for o in outs]
 
 
-def save_checkpoint(model, path: str) -> str:
+def save_checkpoint(model, path: str, fp8: bool = False) -> str:
     """Write ``model`` as a bf16 Hugging Face folder (config.json + model.safetensors) that vLLM loads; returns
-    ``path``. (``save_pretrained`` refuses a model loaded from GGUF: it counts as quantized.)"""
+    ``path``. (``save_pretrained`` refuses a model loaded from GGUF: it counts as quantized.) With ``fp8``, the
+    params ``export_cast`` ``format "fp8"`` serves as FP8 (:func:`faircast_dist.fp8.fp8_param`) are written as
+    FP8 E4M3 per output channel, rounded to nearest, with their ``weight_scale`` (a compressed-tensors checkpoint)."""
     from safetensors.torch import save_file
+
+    from faircast_dist import ExportCastConfig
+    from faircast_dist.fp8 import Fp8Layout, fp8_param
+    from faircast_dist.rounding import cast_fp8_nearest
     os.makedirs(path, exist_ok=True)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg.update(architectures=[type(model).__name__], dtype="bfloat16", torch_dtype="bfloat16")
+    tensors, config, layout = {}, ExportCastConfig(format="fp8"), Fp8Layout("channel")
+    for n, p in model.named_parameters():
+        w = p.detach().float()
+        if fp8 and fp8_param(config, n, tuple(w.shape)):
+            scale = layout.scales(w.abs().amax(1, keepdim=True))  # [N, 1]
+            tensors[n], tensors[n.removesuffix("weight") + layout.scale_name] = \
+                cast_fp8_nearest(w, scale.expand_as(w).contiguous()), scale
+        else:
+            tensors[n] = w.to(torch.bfloat16).contiguous()
+    if fp8:
+        from vllm_receiver import FP8_CHANNEL_QUANTIZATION
+        cfg["quantization_config"] = FP8_CHANNEL_QUANTIZATION
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()},
-              os.path.join(path, "model.safetensors"))
+    save_file(tensors, os.path.join(path, "model.safetensors"))
     return path
 
 
@@ -245,14 +267,16 @@ def flat_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_synced(engine, rollout, where: str) -> None:
-    """Raise RuntimeError naming the first param or buffer whose rollout-engine dtype or bits differ from the
-    trainer's (``engine.module``): what the engine computes with, read back from it (a tied output head
-    included); buffers where the engine has them (the HF engine; vLLM builds its own RoPE tables). A no-op on
-    the ranks of a collective engine that do not hold it."""
+    """Raise RuntimeError naming the first tensor whose rollout-engine dtype or bits differ from what the trainer
+    serves (:func:`deepspeed_hooks.served.served_weights`: the bf16 model's params, or FP8 weights and their scales
+    under ``format "fp8"``): what the engine computes with, read back from it (a tied output head included);
+    buffers where the engine has them (the HF engine; vLLM builds its own RoPE tables). Collective (the FP8 weights
+    are gathered on every rank); the ranks of a collective engine that do not hold it compare nothing."""
+    from deepspeed_hooks.served import served_weights
+    mine = dict(served_weights(engine))
     theirs_all = rollout.weights()
     if theirs_all is None:
         return
-    mine = dict(engine.module.named_parameters())
     pairs = [*mine.items(), *((n, b) for n, b in engine.module.named_buffers() if n in theirs_all)]
     if "lm_head.weight" in theirs_all and "lm_head.weight" not in mine:  # tied: the head computes with the embedding
         pairs.append(("lm_head.weight", mine["model.embed_tokens.weight"]))
@@ -261,9 +285,26 @@ def check_synced(engine, rollout, where: str) -> None:
         if theirs is None or theirs.dtype != t.dtype or theirs.shape != t.shape:
             raise RuntimeError(f"{where}: the rollout engine's {name!r} is "
                                f"{'missing' if theirs is None else f'{theirs.dtype} {tuple(theirs.shape)}'}; the "
-                               f"trainer's is {t.dtype} {tuple(t.shape)}")
+                               f"trainer serves {t.dtype} {tuple(t.shape)}")
         a, b = flat_bits(t.detach()), flat_bits(theirs)
         if not torch.equal(a, b):
             diff = int((a != b).sum())
-            raise RuntimeError(f"{where}: the rollout engine's {name!r} differs from the trainer's bf16 model in "
+            raise RuntimeError(f"{where}: the rollout engine's {name!r} differs from what the trainer serves in "
                                f"{diff} of {t.numel()} elements (the engine must serve exactly what the trainer serves)")
+
+
+def served_values(engine, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the trainer serves, flat in ``names`` order (the model's params): ``(values, codes)``. ``values``: float32
+    ``[sum numels]``, an FP8 weight as ``q * scale`` (what the engine computes with), the others as served (bf16, or
+    fp32 for the oracle); ``codes``: int32 ``[sum numels]``, each element's served bits (an FP8 weight's E4M3 code,
+    without its scale). Collective like :func:`deepspeed_hooks.served.served_weights`."""
+    from deepspeed_hooks.served import served_weights
+    served = dict(served_weights(engine))
+    values, codes = [], []
+    for n in names:
+        t = served[n].detach()
+        codes.append(flat_bits(t).int())
+        if t.dtype == torch.float8_e4m3fn:  # per channel: weight_scale [N, 1]
+            t = t.float() * served[n.removesuffix("weight") + "weight_scale"]
+        values.append(t.float().reshape(-1))
+    return torch.cat(values), torch.cat(codes)

@@ -9,7 +9,34 @@ import math
 
 import torch
 
-BASELINE = "nearest"  # what every arm is compared with
+BASELINE = "nearest"  # what the bf16 arms (and the oracle) are compared with
+FP8_BASELINE = "fp8_nearest"  # what the FP8 arms (fp8_*) are compared with: round-to-nearest into FP8
+
+
+def baseline_of(arm: str) -> str:
+    """The arm ``arm`` is compared with: round-to-nearest into the format it serves (:data:`FP8_BASELINE` for an
+    ``fp8_*`` arm, else :data:`BASELINE`)."""
+    return FP8_BASELINE if arm.startswith("fp8_") else BASELINE
+
+
+def compare_formats(scores: dict[int, dict[str, float]], tie_band: float,
+                    oracle: str | None = None) -> tuple[dict[str, dict], dict[str, float]]:
+    """:func:`compare_arms` of every arm against its own baseline (:func:`baseline_of`), over the pairs that
+    score that baseline, and the ``oracle``'s mean gain against each baseline (``{baseline: points}``, over the
+    same pairs: what :func:`recovery` divides by); the oracle's own row is against :data:`BASELINE`.
+
+    Raises:
+        ValueError: as :func:`compare_arms` (a pair without :data:`BASELINE`, a negative ``tie_band``).
+    """
+    table, oracle_gains = {}, {}
+    for base in sorted({baseline_of(a) for arms in scores.values() for a in arms}):
+        sub = {p: {a: v for a, v in arms.items() if baseline_of(a) == base or a == oracle}
+               for p, arms in scores.items() if base in arms or base == BASELINE}
+        rows = compare_arms(sub, tie_band, base)
+        if oracle in rows:
+            oracle_gains[base] = rows[oracle]["mean_gain"]
+        table.update((a, r) for a, r in rows.items() if a != oracle or base == BASELINE)
+    return table, oracle_gains
 
 
 def arm_scores(records: list[dict], last: int | None = None, key: str = "eval_acc") -> dict[int, dict[str, float]]:
