@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from fair_demo_common import METHODS, SMOLLM2_GGUF, TINY_LLAMA, export_cast_config
 from rl.engines import RolloutEngine, VllmEngine, check_synced, flat_bits, served_values, sync_weights
 from rl.stats import (BASELINE, FP8_BASELINE, arm_scores, baseline_of, compare_arms, compare_formats, fitted_delay,
-                      lag_peak, mean_curves, recovery, reward_rise)
+                      lag_peak, mean_curves, reward_rise)
 
 SPLITS = ("train", "eval")
 HELD_OUT = 8  # 1 problem in HELD_OUT is held out: by a hash of its expression (held_out)
@@ -94,8 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
                    help="tiny: a small byte-level Llama after a supervised warm start; smollm2: the bundled "
                         "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)")
-    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
-                   help=f"comma-separated arms, from {ARMS}; must include {BASELINE!r}, and {FP8_BASELINE!r} with any "
+    p.add_argument("--arms", default=None,
+                   help=f"comma-separated arms, from {ARMS} [default: {','.join(DEFAULT_ARMS)}; with --engine hf, "
+                        f"those not FP8]; must include {BASELINE!r}, and {FP8_BASELINE!r} with any "
                         f"FP8 arm (fp8_*: FP8 per-channel served weights into a vLLM FP8 engine, compared with "
                         f"{FP8_BASELINE!r}). {ORACLE!r} is the oracle: the same run with no bf16 anywhere (fp32 "
                         "DeepSpeed trainer, fp32 rollout engine), the curve every cast should follow")
@@ -158,7 +159,10 @@ def parse_args(argv=None):
     args.steps = args.steps if args.steps is not None else (300 if tiny else 20)
     args.lr = args.lr if args.lr is not None else (3e-6 if tiny else 1e-6)
     args.max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else (4 if tiny else 24)
-    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.merge:  # the merged folders' settings (arms included) stand; the checks below ran at their launch
+        return args
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms is not None else \
+        [a for a in DEFAULT_ARMS if args.engine == "vllm" or a not in FP8_ARMS]
     bad = [a for a in args.arms if a not in ARMS]
     fp8 = [a for a in args.arms if a in FP8_ARMS]
     if bad or BASELINE not in args.arms or len(set(args.arms)) != len(args.arms) or \
@@ -597,11 +601,9 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
     masters = compare_formats(master_scores, args.tie_band, ORACLE)[0] if master_scores else {}
     steps = [r for r in records if r["step"] > 0]
 
-    def delay_of(arm, key):  # behind the oracle, over the pairs that ran the arm
-        if ORACLE not in args.arms:
-            return None
-        ran = {r["pair_seed"] for r in records if r["arm"] == arm}
-        return fitted_delay([r for r in records if r["pair_seed"] in ran], arm, key, ORACLE)
+    def delay_of(arm, key):  # behind the oracle, over the pairs that ran both
+        ran = {r["pair_seed"] for r in records if r["arm"] == arm} & {r["pair_seed"] for r in records if r["arm"] == ORACLE}
+        return fitted_delay([r for r in records if r["pair_seed"] in ran], arm, key, ORACLE) if ran else None
 
     def mean(arm, key, rows=steps):
         vals = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None]
@@ -626,8 +628,7 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
         t, base = table[arm], baseline_of(arm)
         rows.append(dict(arm=arm, score=t["mean_score"], mean_gain=t["mean_gain"], gain_lo=t["gain_ci"][0],
                          gain_hi=t["gain_ci"][1], wins=t["wins"], ties=t["ties"], losses=t["losses"], pairs=t["pairs"],
-                         recovery=None if base not in oracle_gains or arm in (base, ORACLE) else
-                         recovery(t["mean_gain"], oracle_gains[base], args.tie_band),
+                         recovery=t["recovery"],
                          final_score=final[arm]["mean_score"], final_gain=final[arm]["mean_gain"],
                          master_score=masters.get(arm, {}).get("mean_score", float("nan")),
                          delay=delay_of(arm, "eval_acc"), master_delay=delay_of(arm, "master_acc"),
@@ -643,9 +644,10 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
         sync_kb = "-" if math.isnan(r["payload_kb"]) else f"{r['payload_kb']:.1f} / {r['engine_kb']:.1f}"
         gain = "-" if arm == base else f"{r['mean_gain']:+.2f} [{r['gain_lo']:+.2f}, {r['gain_hi']:+.2f}]"
         final_gain = "-" if arm == base else f"{r['final_gain']:+.2f}"
-        rec = "-" if base not in oracle_gains or arm in (base, ORACLE) else \
+        rec = "-" if t["oracle_gain"] is None else \
             "n/a" if r["recovery"] is None else f"{r['recovery']:.2f}"
-        delay = "-" if r["delay"] is None or arm == ORACLE else f"{r['delay']:.0f} / {r['master_delay']:.0f}"
+        delay = "-" if r["delay"] is None or math.isnan(r["delay"]) or arm == ORACLE else \
+            f"{r['delay']:.0f} / {r['master_delay']:.0f}"
         md.append(f"| {arm} | {r['pairs']} | {r['score']:.2f} | {gain} | {wtl} | {rec} | {r['final_score']:.2f} | "
                   f"{final_gain} | "
                   f"{'n/a' if math.isnan(r['master_score']) else format(r['master_score'], '.2f')} | {delay} | "
@@ -655,10 +657,12 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
                   f"{sync_kb} | {r['step_ms']:.1f} | {r['sync_ms']:.1f} |")
     md += [""]
     if oracle_gain is not None:
-        md.append(f"Recovery = (arm - nearest) / (fp32 - nearest) on the mean primary scores, the fp32 oracle's gain "
-                  f"being {oracle_gain:+.2f} points (declared: n/a when that is below the tie band, {args.tie_band:g})"
-                  + (f"; the FP8 arms' against {FP8_BASELINE}, over which the oracle gains "
-                     f"{oracle_gains[FP8_BASELINE]:+.2f} points on their pairs." if FP8_BASELINE in oracle_gains else "."))
+        md.append(f"Recovery = (arm - nearest) / (fp32 - nearest) on the mean primary scores (FP8 arms: against "
+                  f"{FP8_BASELINE}), both over the pairs that ran the arm, its baseline and the oracle; the fp32 "
+                  f"oracle's gain is {oracle_gain:+.2f} points over nearest"
+                  + (f" and {oracle_gains[FP8_BASELINE]:+.2f} over {FP8_BASELINE} (on the pairs that ran both)"
+                     if FP8_BASELINE in oracle_gains else "")
+                  + f" (declared: n/a when the oracle's gain is below the tie band, {args.tie_band:g}).")
         for arm in ("dithered", "fp8_dithered"):  # dithered barely lags: what still separates it from the oracle
             both = {p: {a: v for a, v in arms.items() if a in (arm, ORACLE)} for p, arms in scores.items()
                     if arm in arms and ORACLE in arms}
@@ -726,7 +730,8 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
 
     Raises:
         SystemExit: a folder without those files, a setting (other than :data:`MERGE_FREE`) that differs
-            between folders, or a pair seed run in two folders.
+            between folders, a pair seed run in two folders, or a pair that ran an arm without its baseline
+            (:func:`rl.stats.baseline_of`).
     """
     records, settings, seen = [], None, {}
     for i, d in enumerate(dirs):
@@ -751,6 +756,12 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
                 raise SystemExit(f"--merge: pair seed {rec['pair_seed']} was run in both "
                                  f"{dirs[seen[rec['pair_seed']]]} and {d}")
             records.append(rec)
+    for seed in sorted({r["pair_seed"] for r in records}):
+        ran = {r["arm"] for r in records if r["pair_seed"] == seed}
+        lacking = sorted({baseline_of(a) for a in ran} - ran)
+        if lacking:
+            raise SystemExit(f"--merge: pair seed {seed} ({dirs[seen[seed]]}) ran {sorted(ran)} without "
+                             f"{', '.join(lacking)}, what they are compared with")
     return records, settings
 
 
@@ -789,11 +800,12 @@ def run_notes(records: list[dict], args) -> list[str]:
             f", {args.sync} weight sync; generation {sum(r['gen_tokens'] for r in records if r['step']) / max(1e-9, sum(r['gen_ms'] for r in records if r['step']) / 1e3):.0f} "
             f"completion tokens/s (rollouts, all ranks).",
             "Rollout engine == trainer bf16 model, bit for bit, after every sync: True (checked each step"
-            + (", read back from vLLM through its kernels; FP8 arms: the FP8 weights and scales served)."
-               if args.engine == "vllm" else ")."),
+            + (", read back from vLLM through its kernels" + ("; FP8 arms: the FP8 weights and scales served" if fp8 else "")
+               + ")." if args.engine == "vllm" else ")."),
             f"Step-1 rollouts (every rank's) identical across all bf16 arms within every pair, the {ORACLE} oracle "
             f"included: {shared((*METHODS, ORACLE))}"
-            + (f"; across the FP8 arms: {shared(FP8_ARMS)} (each serves its own FP8 cast of the start)." if fp8 else ""),
+            + (" (the FP8 arms' differ by design: the start is on the bf16 grid, and each FP8 arm serves its own "
+               "FP8 cast of it)." if fp8 else ""),
             *(f"Rollout reward of {arm}: {first:.3f} -> {last:.3f} (means of its first and last 30 steps, at most half "
               f"the run each), {share:+.2f} of its room"
               for arm in (ORACLE, BASELINE) if arm in args.arms for first, last, share in [reward_rise(records, arm)])]

@@ -52,14 +52,41 @@ def test_fp8_arms_are_compared_with_fp8_nearest_on_the_pairs_that_ran_them():
     merged with and without them); the oracle's gain over each baseline is what recovery divides by."""
     scores = {0: {"nearest": 40.0, "dithered": 42.0, "fp32": 44.0, "fp8_nearest": 30.0, "fp8_dithered": 38.0},
               1: {"nearest": 40.0, "dithered": 41.0, "fp32": 43.0},
-              2: {"nearest": 50.0, "dithered": 50.0, "fp32": 50.0, "fp8_nearest": 45.0, "fp8_dithered": 44.5}}
+              2: {"nearest": 50.0, "dithered": 50.0, "fp32": 50.0, "fp8_nearest": 45.0, "fp8_dithered": 44.5},
+              3: {"nearest": 40.0, "fp8_nearest": 30.0, "fp8_dithered": 31.0}}  # a launch without the oracle
     table, oracle = stats.compare_formats(scores, 1.0, "fp32")
-    assert (table["fp8_dithered"]["pairs"], table["fp8_dithered"]["mean_gain"]) == (2, (8.0 - 0.5) / 2)
-    assert (table["fp8_dithered"]["wins"], table["fp8_dithered"]["ties"]) == (1, 1)
+    assert (table["fp8_dithered"]["pairs"], table["fp8_dithered"]["mean_gain"]) == (3, (8.0 - 0.5 + 1.0) / 3)
+    assert (table["fp8_dithered"]["wins"], table["fp8_dithered"]["ties"]) == (2, 1)
     assert (table["dithered"]["pairs"], table["dithered"]["mean_gain"]) == (3, 1.0)
     assert (table["fp32"]["pairs"], table["fp32"]["mean_gain"]) == (3, 7.0 / 3)  # the oracle's row: vs nearest
     assert oracle == {"nearest": 7.0 / 3, "fp8_nearest": (14.0 + 5.0) / 2}
+    # recovery: the arm's gain and the oracle's over the same pairs, those that ran the arm, its baseline, the oracle
+    assert table["fp8_dithered"]["oracle_gain"] == 9.5 and table["fp8_dithered"]["recovery"] == (7.5 / 2) / 9.5
+    assert table["dithered"]["recovery"] == 1.0 / (7.0 / 3)
+    assert table["fp8_nearest"]["oracle_gain"] is None and table["fp32"]["recovery"] is None
     assert table["fp8_nearest"]["mean_gain"] == 0 and stats.baseline_of("fp8_stochastic") == "fp8_nearest"
+    with pytest.raises(ValueError, match="pair 4 has no 'fp8_nearest'"):  # an FP8 arm without its baseline
+        stats.compare_formats({**scores, 4: {"nearest": 1.0, "fp8_dithered": 2.0}}, 1.0, "fp32")
+
+
+def test_default_arms_follow_the_engine_and_fp8_arms_need_their_baseline(tmp_path):
+    """FP8 arms by default only where vLLM serves them; an FP8 arm without fp8_nearest is refused at launch and
+    in a merge (a committed pair folder with fp8_nearest's rows removed)."""
+    assert rl_grpo.parse_args(["--engine", "hf"]).arms == ["nearest", "dithered", "fp32"]
+    assert rl_grpo.parse_args(["--engine", "vllm"]).arms == list(rl_grpo.DEFAULT_ARMS)
+    for argv in (["--engine", "hf", "--arms", "nearest,fp8_nearest"], ["--engine", "vllm", "--arms", "nearest,fp8_dithered"]):
+        with pytest.raises(SystemExit):
+            rl_grpo.parse_args(argv)
+    pair = os.path.join(ROOT, "docs", "rl36", "pair_5")  # nearest, dithered, fp8_nearest, fp8_dithered, fp32
+    shutil.copy(os.path.join(pair, "args.json"), tmp_path / "args.json")
+    with open(os.path.join(pair, "steps.csv")) as f, open(tmp_path / "steps.csv", "w", newline="") as g:
+        rows = [r for r in csv.DictReader(f) if r["arm"] != "fp8_nearest"]
+        w = csv.DictWriter(g, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert len(rl_grpo.load_runs([pair])[0]) == 5 * 301  # 5 arms, steps 0-300
+    with pytest.raises(SystemExit, match=r"pair seed 5 .* without fp8_nearest"):
+        rl_grpo.load_runs([str(tmp_path)])
 
 
 def test_served_values_dequantize_fp8_weights_with_their_channel_scales(monkeypatch):
@@ -410,7 +437,7 @@ def test_rl_loop_serves_the_trainers_bf16_model_and_shares_rollouts_within_a_pai
             f"{max(float(r['lag_steps']) for r in nearest):.1f} steps") in proc.stdout
     assert (f"Round-to-nearest's lag curve (steps behind the master, mean over pairs) at step 1: "
             f"{float(nearest[0]['lag_steps']):.1f}, 2: {float(nearest[1]['lag_steps']):.1f}.") in proc.stdout
-    assert "recovery" in summary[0] and "the fp32 oracle's gain being" in proc.stdout
+    assert "recovery" in summary[0] and "the fp32 oracle's gain is" in proc.stdout
 
 
 @pytest.mark.timeout(1800)  # may run the shared launch (two vLLM engines)

@@ -21,21 +21,39 @@ def baseline_of(arm: str) -> str:
 
 def compare_formats(scores: dict[int, dict[str, float]], tie_band: float,
                     oracle: str | None = None) -> tuple[dict[str, dict], dict[str, float]]:
-    """:func:`compare_arms` of every arm against its own baseline (:func:`baseline_of`), over the pairs that
-    score that baseline, and the ``oracle``'s mean gain against each baseline (``{baseline: points}``, over the
-    same pairs: what :func:`recovery` divides by); the oracle's own row is against :data:`BASELINE`.
+    """:func:`compare_arms` of every arm against its own baseline (:func:`baseline_of`), over the pairs that ran it
+    (launches merged with other ``--arms`` leave an arm on some pairs only), with its :func:`recovery` of the
+    ``oracle``'s gain over that baseline.
+
+    Returns:
+        ``(table, oracle_gains)``. ``table``: ``{arm: compare_arms' row + "recovery" (float or None, see
+        :func:`recovery`) + "oracle_gain" (points)}``, both gains (the arm's and the oracle's over the arm's
+        baseline) averaged over the same pairs, those that ran the arm, its baseline and the oracle;
+        ``"oracle_gain"`` is None for a baseline, the oracle, or an arm no such pair ran. The oracle's own row
+        is against :data:`BASELINE`. ``oracle_gains``: ``{baseline: the oracle's mean gain over it}``, over the
+        pairs that ran both.
 
     Raises:
-        ValueError: as :func:`compare_arms` (a pair without :data:`BASELINE`, a negative ``tie_band``).
+        ValueError: a pair that ran an arm but not its baseline (named), a negative ``tie_band``.
     """
     table, oracle_gains = {}, {}
     for base in sorted({baseline_of(a) for arms in scores.values() for a in arms}):
         sub = {p: {a: v for a, v in arms.items() if baseline_of(a) == base or a == oracle}
-               for p, arms in scores.items() if base in arms or base == BASELINE}
-        rows = compare_arms(sub, tie_band, base)
-        if oracle in rows:
-            oracle_gains[base] = rows[oracle]["mean_gain"]
-        table.update((a, r) for a, r in rows.items() if a != oracle or base == BASELINE)
+               for p, arms in scores.items() if base == BASELINE or any(baseline_of(a) == base for a in arms)}
+        rows = compare_arms(sub, tie_band, base)  # raises for a pair without base
+        both = [p for p, arms in sub.items() if oracle in arms]
+        if both:
+            oracle_gains[base] = sum(sub[p][oracle] - sub[p][base] for p in both) / len(both)
+        for arm, row in rows.items():
+            if arm == oracle and base != BASELINE:
+                continue
+            common = [p for p, arms in sub.items() if arm in arms and oracle in arms]
+            row.update(recovery=None, oracle_gain=None)
+            if arm not in (base, oracle) and common:
+                gain = sum(sub[p][arm] - sub[p][base] for p in common) / len(common)
+                row["oracle_gain"] = sum(sub[p][oracle] - sub[p][base] for p in common) / len(common)
+                row["recovery"] = recovery(gain, row["oracle_gain"], tie_band)
+            table[arm] = row
     return table, oracle_gains
 
 
