@@ -110,20 +110,26 @@ ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mi
 MOE = [a for a in ARCHITECTURES if "Moe" in a]
 
 
+#: max |vLLM log-prob - HF fp32 log-prob| of the weights the receiver holds: the engine follows them (another
+#: model's weights are > 3 apart); bf16 MoE routing near-ties take it to 0.30 on some hosts
+FOLLOWS = 0.5
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_each_tested_architecture_takes_full_and_delta_updates(arch_report, arch):
     """Full update to other weights, then deltas: every push verifies, and vLLM's log-probs follow the weights the
-    receiver holds (an fp32 HF forward of them: ~0.05 apart here; the old weights are > 3 apart)."""
+    receiver holds (an fp32 HF forward of them: ~0.05 apart on most hosts, up to 0.30 for Qwen2-MoE on an Intel
+    AVX-512 host, where a near-tie of the bf16 router flips a token's experts; the old weights are > 3 apart)."""
     from vllm_receiver.compat import TESTED_ARCHITECTURES
     assert arch in TESTED_ARCHITECTURES
     r = arch_report["architectures"][arch]
     assert r["names_match"]  # the receiver's names are the checkpoint's (a tied head served as the embedding)
-    assert r["start_vs_hf"] < 0.25 and r["full_new"] < 0.25 and r["full_old"] > 1.0, r
+    assert r["start_vs_hf"] < FOLLOWS and r["full_new"] < FOLLOWS and r["full_old"] > 1.0, r
     assert r["full_verified"] > 0 and r["whole_verified"] == r["full_verified"]
-    assert r["whole_changed"] > 0 and r["whole_new"] < 0.25 and r["whole_engine_bytes"] > 2 * r["whole_changed"], r
+    assert r["whole_changed"] > 0 and r["whole_new"] < FOLLOWS and r["whole_engine_bytes"] > 2 * r["whole_changed"], r
     if r["sparse_possible"]:  # hosts whose CPU backend computes from live params: only the changed elements move
-        assert r["sparse_verified"] == r["full_verified"] and r["sparse_new"] < 0.25, r
+        assert r["sparse_verified"] == r["full_verified"] and r["sparse_new"] < FOLLOWS, r
         assert r["sparse_engine_bytes"] == 6 * r["sparse_changed"], r  # int32 index + bf16 value
 
 
@@ -139,10 +145,10 @@ def test_experts_reload_exactly_and_are_sent_whole(arch_report, arch):
     one = m["one_expert"]
     # 4 experts x (gate, up, down): 4 x (64 x 128 x 2) x 2 bytes + 4 x 128 x 64 x 2 bytes
     assert one["layer_tensors"] == 12 and one["engine_bytes"] == one["layer_bytes"] == 196608, one
-    assert one["verified"] > 0 and one["new"] < 0.25, one
+    assert one["verified"] > 0 and one["new"] < FOLLOWS, one
     fused = m["fused_delta"]
     assert fused["changed"] == fused["sent"] > 0 and fused["copy_as_sent"], fused
-    assert fused["verified"] > 0 and fused["new"] < 0.25, fused
+    assert fused["verified"] > 0 and fused["new"] < FOLLOWS, fused
     # fused names work in verify(); bad updates are refused, naming what was sent, with nothing written
     assert m["verify_fused_name"] == 4 * 128 * 128
     refused = m["refused"]
