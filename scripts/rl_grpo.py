@@ -70,8 +70,8 @@ import torch.nn.functional as F
 
 from fair_demo_common import METHODS, SMOLLM2_GGUF, TINY_LLAMA, export_cast_config
 from rl.engines import RolloutEngine, VllmEngine, check_synced, flat_bits, served_values, sync_weights
-from rl.stats import (BASELINE, FP8_BASELINE, arm_scores, baseline_of, compare_arms, compare_formats, fitted_delay,
-                      lag_peak, mean_curves, reward_rise)
+from rl.stats import (BASELINE, FP8_BASELINE, arm_mean, arm_scores, baseline_of, compare_arms, compare_formats,
+                      fitted_delay, lag_peak, mean_curves, reward_rise)
 
 SPLITS = ("train", "eval")
 HELD_OUT = 8  # 1 problem in HELD_OUT is held out: by a hash of its expression (held_out)
@@ -606,8 +606,7 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
         return fitted_delay([r for r in records if r["pair_seed"] in ran], arm, key, ORACLE) if ran else None
 
     def mean(arm, key, rows=steps):
-        vals = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None]
-        return sum(vals) / len(vals) if vals else float("nan")
+        return arm_mean(rows, arm, key)
 
     last = [r for r in steps if r["step"] == args.steps]
     md = [f"GRPO, model {args.model}, {len(scores)} seed pairs x {args.steps} steps, lr {args.lr:g}. Declared before "
@@ -771,13 +770,8 @@ def run_notes(records: list[dict], args) -> list[str]:
     updates = [r["update_ulps"] for r in records if r.get("update_ulps") is not None]
 
     def regime(arm):
-        rtn = [r for r in records if r["arm"] == arm and r.get("changed_pct") is not None]
-        return f"{sum(r['changed_pct'] for r in rtn) / len(rtn):.2f}% of the served weights per step and its lag " \
+        return f"{arm_mean(records, arm, 'changed_pct'):.2f}% of the served weights per step and its lag " \
                f"peaks at {lag_peak(records, arm):.1f} steps"
-
-    def rescaled(arm):
-        vals = [r["rescaled_pct"] for r in records if r["arm"] == arm and r.get("rescaled_pct") is not None]
-        return sum(vals) / len(vals) if vals else float("nan")
 
     def shared(arms):  # within every pair, the step-1 rollouts of these arms (those the pair ran) are one
         return all(len({r["rollout_sha"] for r in records if r["step"] == 1 and r["pair_seed"] == s
@@ -788,7 +782,7 @@ def run_notes(records: list[dict], args) -> list[str]:
             f"Regime: round-to-nearest changes {regime(BASELINE)} (the paper's: 0.4-0.5% per step, lag 50-150 "
             "steps)." + (f" Into FP8, round-to-nearest changes {regime(FP8_BASELINE)} (lag capped at --max-lag "
                          f"{args.max_lag}; changed = the E4M3 code changed), and its rescaled channels move "
-                         f"{rescaled(FP8_BASELINE):.2f}% more of the served weights per step by their scale alone."
+                         f"{arm_mean(records, FP8_BASELINE, 'rescaled_pct'):.2f}% more of the served weights per step by their scale alone."
                          if fp8 else ""),
             "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
                                  else f"tiny byte-level Llama, from {args.init_weights}" if getattr(args, "init_weights", None)

@@ -154,6 +154,12 @@ def mean_curves(records: list[dict], arm: str, key: str) -> tuple[list[int], lis
             [torch.quantile(v, 0.75).item() for v in vals])
 
 
+def arm_mean(records: list[dict], arm: str, key: str) -> float:
+    """The mean of ``key`` over the arm's rows that have it (all pairs and steps); NaN when none has it."""
+    vals = [r[key] for r in records if r["arm"] == arm and r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
 def lag_peak(records: list[dict], arm: str) -> float:
     """The peak over steps of the arm's lag (steps), averaged over pairs (the step-0 row has no lag)."""
     return max(mean_curves(records, arm, "lag_steps")[1], default=float("nan"))
