@@ -87,6 +87,7 @@ def main() -> None:
             print(f"| {r['layout']} | {r['tok_s']:.0f} | {r['tok_s'] / base:.2f} | {r['sync_ms']:.0f} |")
         print(f"vLLM start-up: one engine {start_shared:.0f} s; one per rank {start_own:.0f} s (both at once)")
     dist.barrier()
+    dist.destroy_process_group()  # not left to interpreter exit, where gloo can abort
 
 
 if __name__ == "__main__":

@@ -296,10 +296,16 @@ def main(argv=None):
         raise SystemExit(f"--resume: no checkpoint-* in {args.output_dir}")
     trainer.train(resume_from_checkpoint=checkpoint)
     rec = dict(record(trainer), steps_run=counter.steps, resumed_from=checkpoint)
-    torch.save(rec, os.path.join(args.output_dir, f"record_rank{config.process_index}.pt"))
+    path = os.path.join(args.output_dir, f"record_rank{config.process_index}.pt")
+    torch.save(rec, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)  # complete or absent
     if config.process_index == 0:
         print(f"trl_grpo: {rec['global_step']} steps ({counter.steps} run here, resumed from {checkpoint}), optimizer {rec['optimizer']}, export cast {rec['caster']}, "
               f"reference model optimizer {rec['ref_optimizer']}", flush=True)
+    # a gloo group left to interpreter exit can abort the process there ("terminate called without an active
+    # exception": its worker threads still hold ZeRO-3's async work; pytorch/pytorch#190489)
+    trainer.accelerator.wait_for_everyone()
+    PartialState().destroy_process_group()
 
 
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402

@@ -83,6 +83,13 @@ def launch(worker, world: int, *args, reported: list[str]) -> None:
             raise
 
 
+def aborted_after_reporting(log: str, reported: list[str]) -> bool:
+    """Whether a launch (its output ``log``) failed only through the teardown abort at exit that
+    :func:`launch` forgives: the log holds "terminate called without an active exception" and every
+    path in ``reported`` (written with ``os.replace`` when a rank's work is done) exists."""
+    return "terminate called without an active exception" in log and all(os.path.exists(p) for p in reported)
+
+
 @contextlib.contextmanager
 def logged_warnings():
     """The messages Fair Cast logs on its warning channel (``logging.getLogger("faircast")``, every

@@ -199,6 +199,7 @@ def main(out_json: str) -> None:
         with open(out_json, "w") as f:
             json.dump(report, f)
     dist.barrier()
+    dist.destroy_process_group()  # not left to interpreter exit, where gloo can abort
 
 
 if __name__ == "__main__":
