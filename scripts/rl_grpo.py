@@ -82,7 +82,7 @@ EVAL_SEED = 1_000_003
 ORACLE = "fp32"  # the arm served without rounding: fp32 trainer (no bf16 anywhere), fp32 rollout engine
 #: served as FP8 E4M3 per output channel (``export_cast`` ``format "fp8"``) into a vLLM FP8 engine, compared with
 #: FP8_BASELINE (``fp8_nearest``: what RL stacks serve)
-FP8_ARMS = ("fp8_nearest", "fp8_stochastic", "fp8_dithered")
+FP8_ARMS = tuple(f"fp8_{m}" for m in METHODS)  # fp8_nearest, fp8_stochastic, fp8_error_feedback, fp8_dithered
 ARMS = (*METHODS, *FP8_ARMS, ORACLE)
 #: the arms of the docs' table (docs/rl-results.md): round-to-nearest and dithered into bf16 and into FP8, the oracle
 DEFAULT_ARMS = ("nearest", "dithered", "fp8_nearest", "fp8_dithered", ORACLE)

@@ -18,7 +18,7 @@ from rl import engines, stats  # noqa: E402
 
 ARMS = ("nearest", "stochastic", "error_feedback", "fp32")
 CASTS = ARMS[:3]  # the arms served in bf16 (fp32: the oracle, served without rounding)
-FP8 = ("fp8_nearest", "fp8_dithered")  # served as FP8 per channel: vLLM only (an FP8 engine)
+FP8 = ("fp8_nearest", "fp8_error_feedback", "fp8_dithered")  # served as FP8 per channel: vLLM only (an FP8 engine)
 
 
 def _arms(engine: str) -> tuple[str, ...]:
