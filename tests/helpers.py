@@ -52,7 +52,7 @@ def launch(worker, world: int, *args, reported: list[str]) -> None:
     - A rank killed by SIGABRT once every path in ``reported`` exists (what the ranks write when all
       their work is done: write each with ``os.replace``, complete or absent) counts as finished:
       torch's gloo / DeepSpeed teardown rarely aborts at exit ("terminate called without an active
-      exception", ../shared/notes/deepspeed.md; 1 CI run of test_fsdp). The others get
+      exception", ../shared/notes/deepspeed.md; in CI once in test_fsdp, once in test_trl). The others get
       :data:`GRACE_S` seconds to finish (rank 0 may still be writing its record) before they are
       terminated.
     Raises:
