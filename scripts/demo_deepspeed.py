@@ -33,7 +33,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
                    help="smollm2: the bundled SmolLM2-135M-Instruct; tiny: a small random Llama (tests)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=5,
+                   help="optimizer steps (5: about 10 minutes on 2 cores of an AVX2-only host, see docs/demo.md)")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--eval-batch", type=int, default=8, help="fixed sequences for the log-prob gap")

@@ -59,7 +59,7 @@ def parse_args(argv=None):
     g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     g.add_argument("--global-batch-size", type=int, default=8,
                    help="sequences per optimizer step (the DeepSpeed job: 2 ranks x 4)")
-    g.add_argument("--train-iters", "--steps", dest="train_iters", type=int, default=20, help="optimizer steps")
+    g.add_argument("--train-iters", "--steps", dest="train_iters", type=int, default=5, help="optimizer steps")
     g.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate (constant)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW)")
     g.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping (global L2 norm)")
