@@ -92,6 +92,8 @@ class ExportState:
             served for :meth:`replay`. False where the served buffers are the adapter's own (FSDP2).
         shapes: ``format "fp8"`` (required then): ``{param name: full shape}`` of every param of the model,
             the same on every rank (:class:`~faircast_dist.fp8.Fp8Export` picks the FP8 ones).
+        fused: ``format "fp8"``: ``{param name: FusedRows}`` of params fused from checkpoint tensors
+            (:class:`~faircast_dist.fp8.Fp8Export`'s).
 
     Attributes:
         caster: the :class:`~faircast_dist.FairCaster`: config, method and export step.
@@ -111,7 +113,7 @@ class ExportState:
     """
 
     def __init__(self, config=None, residuals: MutableMapping | None = None, replays: bool = True,
-                 shapes: dict | None = None):
+                 shapes: dict | None = None, fused: dict | None = None):
         self.caster = config if isinstance(config, FairCaster) else FairCaster(config)
         self.replays = replays
         self.residuals: MutableMapping[Hashable, torch.Tensor] = {} if residuals is None else residuals
@@ -119,7 +121,7 @@ class ExportState:
         self.telemetry: ExportObserver = ExportObserver()
         if self.config.fp8 and shapes is None:
             raise ValueError("ExportState: format \"fp8\" needs the params' full shapes (shapes=)")
-        self.fp8 = Fp8Export(self.caster, shapes) if self.config.fp8 else None
+        self.fp8 = Fp8Export(self.caster, shapes, fused) if self.config.fp8 else None
         self.fp8_outs: dict[Hashable, torch.Tensor] = {}
         self.fp8_residuals: dict[Hashable, torch.Tensor] = {}
 
@@ -201,7 +203,7 @@ class ExportState:
         ``(key, master, uint8 E4M3 bits, FP8 runs)`` of the counted shards that hold FP8 runs."""
         pieces = []
         for s in shards:
-            runs = [r for r in s.runs if r[0] in self.fp8.shapes]
+            runs = self.fp8.runs(s.runs)
             if s.counted and runs:
                 pieces.append((s.key, s.master, s.fp8, runs))
         return pieces

@@ -20,9 +20,17 @@ scales are powers of two (UE8M0, as DeepSeek-V3.1's ``scale_fmt: ue8m0``).
 Everything is defined on global flat element indices (``g = n * K + k``), so a shard that holds any subset of
 the elements (a ZeRO flat partition cutting rows, a TP slice) computes its partial absmax per scale, a MAX
 reduction over the ranks completes it, and the bytes and scales equal a single-process export's.
+
+A param **fused** from several checkpoint tensors (Megatron's ``linear_qkv``: q, k and v rows interleaved per
+query group; SwiGLU ``linear_fc1``: ``[gate; up]``) has its 128x128 blocks in the checkpoint tensors'
+coordinates, not its own (:class:`FusedRows`): it is cast as the **stack** of its checkpoint tensors, each
+padded with absent rows to a multiple of 128, so the stack's blocks are the checkpoint tensors' blocks one after
+another, and its global indices (the random bits' lanes) are the stack's. Channel scales need no such map (a
+row is a row).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -143,6 +151,75 @@ def sticky_scales(layout: Fp8Layout, previous: torch.Tensor | None,
     return torch.where(rescaled, fresh, previous), rescaled
 
 
+@dataclass(frozen=True)
+class FusedRows:
+    """Where the rows of a param fused from checkpoint tensors sit in those tensors.
+
+    Args:
+        pieces: ``(part, part_row, rows)`` in the fused param's row order: its next ``rows`` rows are rows
+            ``[part_row, part_row + rows)`` of checkpoint tensor ``part`` (0, 1, ...). Megatron's ``linear_qkv``
+            with G query groups of q heads of size d: ``(0, g q d, q d), (1, g d, d), (2, g d, d)`` for each g.
+
+    Raises:
+        ValueError: the pieces do not tile each part's rows ``[0, N_part)`` exactly once, or a part is missing.
+    """
+    pieces: tuple
+
+    def __post_init__(self):
+        pieces = tuple((int(p), int(r), int(n)) for p, r, n in self.pieces)
+        object.__setattr__(self, "pieces", pieces)
+        parts = max((p for p, _, _ in pieces), default=-1) + 1
+        for part in range(parts):
+            spans = sorted((r, n) for p, r, n in pieces if p == part)
+            if not spans or any(n <= 0 for _, n in spans) or spans[0][0] != 0 or any(
+                    a + n != b for (a, n), (b, _) in zip(spans, spans[1:])):
+                raise ValueError(f"FusedRows: the pieces of part {part} do not tile its rows once: {spans}")
+
+    @functools.cached_property
+    def part_rows(self) -> list[int]:
+        """``N_part`` of each checkpoint tensor."""
+        rows = {}
+        for p, r, n in self.pieces:
+            rows[p] = max(rows.get(p, 0), r + n)
+        return [rows[p] for p in range(len(rows))]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the fused param (``N``)."""
+        return sum(n for _, _, n in self.pieces)
+
+    def stack_rows(self) -> int:
+        """Rows of the stack the FP8 copy is cast as: each part's rows rounded up to a multiple of 128."""
+        return sum(-(-n // BLOCK) * BLOCK for n in self.part_rows)
+
+    @functools.cached_property
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """``(fused_row, stack_row, rows)`` runs of rows that stay consecutive in both, in fused row order."""
+        base = list(itertools.accumulate([0, *(-(-n // BLOCK) * BLOCK for n in self.part_rows)]))
+        out, fused = [], 0
+        for p, r, n in self.pieces:
+            if out and out[-1][1] + out[-1][2] == base[p] + r:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+            else:
+                out.append((fused, base[p] + r, n))
+            fused += n
+        return out
+
+    def stack_row_of(self) -> torch.Tensor:
+        """int64 ``[N]``: the stack row of each fused row."""
+        return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for _, s, n in self.chunks])
+
+    def stack_runs(self, k: int, start: int, numel: int, index: int) -> list[tuple[int, int, int]]:
+        """A run of the fused param (``numel`` buffer elements from ``start``, global indices from ``index``, ``k``
+        columns) as ``(start, numel, stack index)`` runs of consecutive stack indices."""
+        out = []
+        for fused, stack, rows in self.chunks:
+            lo, hi = max(index, fused * k), min(index + numel, (fused + rows) * k)
+            if lo < hi:
+                out.append((start + lo - index, hi - lo, lo + (stack - fused) * k))
+        return out
+
+
 def element_scales(scales: torch.Tensor, scale_index: torch.Tensor) -> torch.Tensor:
     """Each element's scale (float32, shaped like ``scale_index``): what the FP8 casts of :mod:`.rounding`
     take."""
@@ -169,10 +246,15 @@ class Fp8Export:
         caster: the :class:`~faircast_dist.FairCaster` (config with ``format "fp8"``; method, seed, keys).
         shapes: ``{param name: full shape}`` of every param of the model, the same on every rank that calls
             :meth:`export` together (the FP8 ones are picked by :func:`fp8_param`).
+        fused: ``{param name: FusedRows}`` of params fused from checkpoint tensors; with ``fp8_scales "block"``
+            each is cast as the stack of its checkpoint tensors (see the module docstring), and served in its own
+            row order with the stack's scales. Ignored with channel scales.
 
     Attributes:
         layout: the :class:`Fp8Layout` (from ``fp8_scales`` / ``fp8_ue8m0``).
-        shapes: ``{name: (N, K)}`` of the FP8 params, in sorted name order (the order of every collective).
+        shapes: ``{name: (N, K)}`` of the FP8 params as cast, in sorted name order (the order of every
+            collective); a fused param's ``N`` is its stack's (:meth:`FusedRows.stack_rows`).
+        fused: the ``fused`` params this layout casts as stacks (block scales), ``{name: FusedRows}``.
         scales: ``{name: float32 tensor of layout.scale_shape}``: the scales of the last export, the same on every
             rank (export state: checkpoint it, :meth:`load_scales`).
         rescales: scales set again after their first export, counted over all exports of this process (a rescaled
@@ -180,11 +262,18 @@ class Fp8Export:
         last_rescales: the same, at the last export.
     """
 
-    def __init__(self, caster, shapes: dict):
+    def __init__(self, caster, shapes: dict, fused: dict | None = None):
         self.caster = caster
         config = caster.config
         self.layout = Fp8Layout("block" if config.fp8_scales == "block" else "channel", config.fp8_ue8m0)
         self.shapes = {n: tuple(shapes[n]) for n in sorted(shapes) if fp8_param(config, n, tuple(shapes[n]))}
+        self.fused = {n: f for n, f in (fused or {}).items() if n in self.shapes} \
+            if self.layout.granularity == "block" else {}
+        for name, f in self.fused.items():
+            if f.rows != self.shapes[name][0]:
+                raise ValueError(f"export_cast FP8: {name!r} has {self.shapes[name][0]} rows, its fused checkpoint "
+                                 f"tensors {f.part_rows} ({f.rows})")
+            self.shapes[name] = (f.stack_rows(), self.shapes[name][1])
         self.scales: dict[str, torch.Tensor] = {}
         self.rescales = self.last_rescales = 0
 
@@ -203,10 +292,21 @@ class Fp8Export:
             return torch.zeros(0, dtype=torch.float32, device=device)
         return torch.cat([self.scales[n].reshape(-1) for n in self.shapes]).to(device)
 
+    def runs(self, runs) -> list[tuple[str, int, int, int]]:
+        """The FP8 params' runs among a shard's ``runs`` (``(name, start, numel, index)``), with global indices as
+        cast: a fused param's (block scales) in its stack's."""
+        out = []
+        for name, start, numel, index in runs:
+            if name in self.fused:
+                k = self.shapes[name][1]
+                out += [(name, *run) for run in self.fused[name].stack_runs(k, start, numel, index)]
+            elif name in self.shapes:
+                out.append((name, start, numel, index))
+        return out
+
     def _runs(self, shards):
-        """``(shard, start, numel, index, name)`` of every run of an FP8 param in ``shards``."""
-        return [(s, start, numel, index, name) for s in shards for name, start, numel, index in s.runs
-                if name in self.shapes]
+        """``(shard, start, numel, index, name)`` of every FP8 run in ``shards`` (:meth:`runs`)."""
+        return [(s, start, numel, index, name) for s in shards for name, start, numel, index in self.runs(s.runs)]
 
     def _numels(self) -> dict[str, int]:
         return {n: math.prod(self.layout.scale_shape(shape)) for n, shape in self.shapes.items()}
@@ -233,12 +333,11 @@ class Fp8Export:
         device = held[0].master.device if held else shards[0].master.device if shards else torch.device("cpu")
         rows = []
         for t, s in enumerate(held):
-            for name, start, numel, index in s.runs:
-                if name in self.shapes:
-                    k = self.shapes[name][1]
-                    key = self.caster.key(name, step) if method.keyed else (0, 0)
-                    nbk = -(-k // BLOCK) if self.layout.granularity == "block" else 0
-                    rows.append((t, start, numel, index, *key, offsets[name], k, nbk))
+            for name, start, numel, index in self.runs(s.runs):
+                k = self.shapes[name][1]
+                key = self.caster.key(name, step) if method.keyed else (0, 0)
+                nbk = -(-k // BLOCK) if self.layout.granularity == "block" else 0
+                rows.append((t, start, numel, index, *key, offsets[name], k, nbk))
         table = fused.segment_table(rows, columns=fused.FP8_COLUMNS)
         masters = [s.master for s in held]
         residuals = [s.fp8_residual for s in held] if method.needs_residual else None
@@ -261,7 +360,8 @@ class Fp8Export:
 
     @torch.no_grad()
     def full(self, shards, reduce_max) -> dict[str, torch.Tensor]:
-        """The whole FP8 params: ``{name: float8_e4m3fn [N, K]}`` on the CPU, bit for bit what the ranks cast.
+        """The whole FP8 params: ``{name: float8_e4m3fn [N, K]}`` on the CPU, bit for bit what the ranks cast (a
+        fused param in its own row order).
 
         Args:
             shards: as for :meth:`export`.
@@ -276,14 +376,19 @@ class Fp8Export:
             flat.narrow(0, offsets[name] + index, numel).copy_(s.fp8.narrow(0, start, numel))
         if reduce_max is not None:
             reduce_max(flat)
-        return {n: flat.narrow(0, offsets[n], numels[n]).view(torch.float8_e4m3fn).view(shape)
+        full = {n: flat.narrow(0, offsets[n], numels[n]).view(torch.float8_e4m3fn).view(shape)
                 for n, shape in self.shapes.items()}
+        for name, f in self.fused.items():  # (uint8: indexing float8 is not implemented on every device)
+            full[name] = full[name].view(torch.uint8)[f.stack_row_of()].view(torch.float8_e4m3fn)
+        return full
 
     def served(self, weights, full: dict[str, torch.Tensor]):
         """``weights`` (``(name, bf16 tensor)`` pairs, an adapter's bf16 served weights; the tensor may be a
         callable returning it, called only for bf16 params) with each FP8 param replaced by
         ``(name, float8_e4m3fn [N, K])`` and ``(scale name, float32 scales)`` (:meth:`scale_name`): the tensors
-        of a compressed-tensors / DeepSeek FP8 checkpoint."""
+        of a compressed-tensors / DeepSeek FP8 checkpoint. A fused param (block scales) is served in its own row
+        order with its stack's scales, ``[sum over parts of ceil(N_part / 128), ceil(K / 128)]``: each checkpoint
+        tensor's ``weight_scale_inv``, one after the other."""
         for name, weight in weights:
             if name in full:
                 yield name, full[name]

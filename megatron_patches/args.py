@@ -5,7 +5,7 @@
     --export-cast-seed INT                           default 1234
     --export-cast-residual-dtype {float32,bfloat16}  default float32 (error feedback's residual)
     --export-cast-format {bf16,fp8}                  default bf16 (fp8: FP8 E4M3 served weights too)
-    --export-cast-fp8-scales {channel}               default channel (one scale per output row)
+    --export-cast-fp8-scales {channel,block}         default channel (one scale per output row)
     --[no-]export-cast-fp8-ue8m0                     default off (power-of-two scales)
     --[no-]export-cast-fp8-via-bf16                  default off (round-to-nearest via bf16: the stacks')
     --export-cast-fp8-exclude REGEX                  default: embeddings, output layer, norms, routers
@@ -70,10 +70,11 @@ def add_export_cast_args(parser: argparse.ArgumentParser,
                             "are also served as FP8 E4M3 with fp32 scales, cast from the fp32 masters by the "
                             "method (--export-cast nearest: round-to-nearest, what RL stacks do), for an FP8 "
                             "rollout engine (megatron_patches.served_weights).")
-    group.add_argument("--export-cast-fp8-scales", choices=["channel"], default=defaults.fp8_scales,
-                       help="With --export-cast-format fp8: one fp32 scale per output row (weight_scale [N, 1], "
-                            "vLLM's compressed-tensors FP8_DYNAMIC). 128x128 blocks are not supported on Megatron "
-                            "yet (its fused linear_qkv interleaves q/k/v rows).")
+    group.add_argument("--export-cast-fp8-scales", choices=["channel", "block"], default=defaults.fp8_scales,
+                       help="With --export-cast-format fp8: 'channel', one fp32 scale per output row (weight_scale "
+                            "[N, 1], vLLM's compressed-tensors FP8_DYNAMIC); 'block', one per 128x128 block "
+                            "(weight_scale_inv, DeepSeek-V3 / Qwen3-FP8), the blocks of the checkpoint's q/k/v and "
+                            "gate/up tensors that linear_qkv and linear_fc1 fuse.")
     group.add_argument("--export-cast-fp8-ue8m0", action=argparse.BooleanOptionalAction, default=defaults.fp8_ue8m0,
                        help="With --export-cast-format fp8: power-of-two scales.")
     group.add_argument("--export-cast-fp8-via-bf16", action=argparse.BooleanOptionalAction,

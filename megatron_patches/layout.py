@@ -33,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from faircast_dist.fp8 import FusedRows
 from faircast_dist.shards import block_index, index_runs
 from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 
@@ -231,3 +232,35 @@ def describe_model(model_chunks: Sequence[torch.nn.Module]) -> dict:
                                  "so its global name and element indices are unknown")
             layouts[id(param)] = describe(param, entry)
     return layouts
+
+
+def fused_rows(name: str, shape: Sequence[int], config) -> FusedRows | None:
+    """How a fused param's rows map onto the checkpoint's tensors (for FP8 128x128 block scales, which are defined
+    on those): Megatron's ``linear_qkv`` ``[G (q + 2) d, H]`` holds, per query group ``g``, its ``q`` query heads'
+    rows, then its key head's, then its value head's (``q_proj``, ``k_proj``, ``v_proj`` rows ``g q d``, ``g d``,
+    ``g d``: ``SelfAttention.get_query_key_value_tensors`` in megatron/core/transformer/attention.py); a SwiGLU ``linear_fc1``
+    (``gated_linear_unit``) is ``[gate; up]``. Other params: None.
+
+    Args:
+        name: the canonical name (:class:`ParamLayout`).
+        shape: the param's full shape ``[N, K]``.
+        config: the model's ``TransformerConfig`` (``num_attention_heads``, ``num_query_groups``, ``kv_channels``,
+            ``gated_linear_unit``).
+
+    Raises:
+        NotImplementedError: ``attention_output_gate`` (its ``linear_qkv`` holds gate rows too), or a
+            ``linear_qkv`` whose rows are not ``G (q + 2) d`` (named).
+    """
+    if name.endswith("self_attention.linear_qkv.weight"):
+        if getattr(config, "attention_output_gate", False):
+            raise NotImplementedError(f"export_cast FP8 block scales: {name!r} with attention_output_gate")
+        groups = config.num_query_groups or config.num_attention_heads
+        q, d = config.num_attention_heads // groups, config.kv_channels
+        if shape[0] != groups * (q + 2) * d:
+            raise NotImplementedError(f"export_cast FP8 block scales: {name!r} has {shape[0]} rows, not "
+                                      f"{groups} query groups x ({q} + 2) x {d} (another fused layout)")
+        return FusedRows([piece for g in range(groups)
+                          for piece in ((0, g * q * d, q * d), (1, g * d, d), (2, g * d, d))])
+    if name.endswith("linear_fc1.weight") and config.gated_linear_unit:
+        return FusedRows([(0, 0, shape[0] // 2), (1, 0, shape[0] // 2)])
+    return None

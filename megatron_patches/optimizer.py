@@ -60,7 +60,7 @@ from faircast_dist.shards import from_bits, to_bits
 from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
 from faircast_dist.wraps import Wraps
 from megatron_patches import compat
-from megatron_patches.layout import ParamLayout, describe_model, model_entries
+from megatron_patches.layout import ParamLayout, describe_model, fused_rows, model_entries
 
 RESIDUALS_METADATA_KEY = "export_cast_residuals"  # in the checkpoint's content metadata
 RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.residual."
@@ -90,6 +90,8 @@ class MegatronExport:
             after the masters were reloaded from the model (see :meth:`reloaded`).
         shapes: ``format "fp8"``: ``{canonical name: full shape}`` of this leaf's params on every rank
             (:func:`install` gathers them).
+        fused: ``format "fp8"``: ``{canonical name: FusedRows}`` of its fused params
+            (:func:`megatron_patches.layout.fused_rows`: block scales sit on the checkpoint's tensors).
         index: the leaf's position among the (non-stub) leaves, the same on every rank.
 
     Attributes:
@@ -98,9 +100,10 @@ class MegatronExport:
     """
 
     def __init__(self, optimizer, caster: FairCaster, layouts: dict, model_chunks,
-                 iteration: Callable[[], int | None] | None = None, shapes: dict | None = None, index: int = 0):
+                 iteration: Callable[[], int | None] | None = None, shapes: dict | None = None, index: int = 0,
+                 fused: dict | None = None):
         self.optimizer, self.model_chunks = optimizer, list(model_chunks)
-        self.state = ExportState(caster, shapes=shapes)
+        self.state = ExportState(caster, shapes=shapes, fused=fused)
         self.index = index  # the leaf's position among the ranks' leaves (names its FP8 scales in checkpoints)
         self.iteration = iteration or (lambda: None)
         self.step_from_iteration = False  # set by reloaded(): the next export takes self.iteration()
@@ -569,8 +572,11 @@ def install(optimizer, model_chunks, *, config, telemetry: bool = False,
     shapes = _fp8_shapes(config, leaves, layouts)
     exports = []
     for k, leaf in enumerate(leaves):
+        fused = {} if shapes is None or config.fp8_scales != "block" else {
+            n: fused_rows(n, shape, model_chunks[0].config) for n, shape in shapes[k].items() if len(shape) == 2}
         export = MegatronExport(leaf, FairCaster(config), layouts, model_chunks, iteration,
-                                shapes=None if shapes is None else shapes[k], index=k)
+                                shapes=None if shapes is None else shapes[k], index=k,
+                                fused={n: f for n, f in fused.items() if f is not None})
         for shard in export.shards():
             if compat.is_quantized_param(leaf, shard.model_param):
                 raise NotImplementedError(f"--export-cast fair: param {shard.layout.name!r} is FP8/FP4 "
@@ -613,15 +619,10 @@ def _fp8_shapes(config, leaves, layouts) -> list[dict] | None:
     ``all_gather_object``; PP stages hold other layers). None without FP8.
 
     Raises:
-        NotImplementedError: ``fp8_scales "block"`` (Megatron's fused ``linear_qkv`` interleaves q, k and v rows:
-            128-row blocks are not the checkpoint's), or ranks with different numbers of leaf optimizers.
+        NotImplementedError: ranks with different numbers of leaf optimizers.
     """
     if not config.fp8:
         return None
-    if config.fp8_scales != "channel":
-        raise NotImplementedError("export_cast FP8 on Megatron: fp8_scales 'block' is not supported yet (blocks are "
-                                  "defined on the checkpoint's q/k/v and gate/up tensors, which Megatron fuses and "
-                                  "interleaves); use fp8_scales 'channel' (one scale per output row)")
     mine = [{} for _ in leaves]
     for k, leaf in enumerate(leaves):
         for p, _, _, _ in compat.master_shards(leaf):

@@ -22,10 +22,12 @@ def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     With ``--overlap-param-gather`` the param all-gather the next forward would finish is finished
     first, as Megatron-LM does before an evaluation or a save.
 
-    With ``format "fp8"`` each FP8 param is yielded instead as ``(name, float8_e4m3fn [N, K])`` followed by
-    ``(scale name, float32 [N, 1])`` (:meth:`faircast_dist.fp8.Fp8Export.served`), in Megatron's row order (the
-    fused ``linear_qkv`` interleaves q/k/v rows per query group; an engine's name map permutes the scales' rows
-    with the weight's).
+    With ``format "fp8"`` each FP8 param is yielded instead as ``(name, float8_e4m3fn [N, K])`` followed by its
+    scales (:meth:`faircast_dist.fp8.Fp8Export.served`), in Megatron's row order (the fused ``linear_qkv``
+    interleaves q/k/v rows per query group; SwiGLU ``linear_fc1`` is ``[gate; up]``): channel scales
+    ``weight_scale`` ``[N, 1]``, whose rows an engine's name map permutes with the weight's; block scales
+    ``weight_scale_inv``, the 128x128 blocks of the checkpoint's tensors (q, k, v; gate, up), each tensor's
+    ``[ceil(N_part / 128), ceil(K / 128)]`` one after the other, which the name map splits.
 
     Collective over the default process group: every rank must run the generator (one reduce of the
     whole model's elements, as int32 bits; host memory about 3x the model's element count; FP8: one more

@@ -107,6 +107,65 @@ def logged_warnings():
         log.removeHandler(handler)
 
 
+def checkpoint_parts(name: str, w: torch.Tensor, groups: int, heads: int) -> list[torch.Tensor] | None:
+    """The checkpoint tensors a Megatron param fuses, by reshaping (the tests' own spelling, beside
+    ``faircast_dist.fp8.FusedRows``): ``linear_qkv`` ``[G (q + 2) d, K]`` -> q, k, v (per query group: q heads, then
+    k, then v); SwiGLU ``linear_fc1`` -> gate, up; else None. ``w`` any dtype (FP8: viewed as uint8)."""
+    u = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+    if name.endswith("linear_qkv.weight"):
+        per = u.shape[0] // groups
+        d = per // (heads // groups + 2)
+        x = u.reshape(groups, per, u.shape[1])
+        parts = [x[:, :per - 2 * d], x[:, per - 2 * d:per - d], x[:, per - d:]]
+        parts = [p.reshape(-1, u.shape[1]) for p in parts]
+    elif name.endswith("linear_fc1.weight"):
+        parts = list(u.chunk(2))
+    else:
+        return None
+    return [p.view(w.dtype) for p in parts] if u is not w else parts
+
+
+def fuse_parts(name: str, parts: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """The inverse of :func:`checkpoint_parts`."""
+    us = [p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p for p in parts]
+    if name.endswith("linear_qkv.weight"):
+        fused = torch.cat([u.reshape(groups, -1, u.shape[1]) for u in us], 1).reshape(-1, us[0].shape[1])
+    else:
+        fused = torch.cat(us)
+    return fused.view(parts[0].dtype)
+
+
+def block_stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` one after the other, each padded with zero rows to a multiple of 128 (the FP8 block stack)."""
+    return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, -p.shape[0] % 128)) for p in parts])
+
+
+def unstack(stack: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    """The parts of :func:`block_stack` (``rows`` each) back out of ``stack`` (any dtype)."""
+    out, at = [], 0
+    for n in rows:
+        out.append(stack[at:at + n] if stack.dtype != torch.float8_e4m3fn
+                   else stack.view(torch.uint8)[at:at + n].view(torch.float8_e4m3fn))
+        at += n + (-n % 128)
+    return out
+
+
+def reference_fp8_fused(config, snapshots, groups: int, heads: int) -> list[dict]:
+    """:func:`reference_fp8` with 128x128 block scales on the checkpoint's tensors: each fused Megatron param
+    (:func:`checkpoint_parts`) cast as the zero-padded stack of its parts (:func:`block_stack`), under its own
+    name, and served fused back (its scales: the stack's)."""
+    stacked = [{**snap, "masters": {n: block_stack(p) if (p := checkpoint_parts(n, m, groups, heads)) else m
+                                    for n, m in snap["masters"].items()}} for snap in snapshots]
+    out = []
+    for snap, ref in zip(snapshots, reference_fp8(config, stacked)):
+        for name, master in snap["masters"].items():
+            parts = checkpoint_parts(name, master, groups, heads)
+            if parts is not None and name in ref:
+                ref[name] = fuse_parts(name, unstack(ref[name], [p.shape[0] for p in parts]), groups)
+        out.append(ref)
+    return out
+
+
 def reference_fp8(config, snapshots, scales: dict | None = None) -> list[dict]:
     """The single-process reference of FP8 served weights (``format "fp8"``), from the spec functions on whole
     params: per snapshot (``{"step": int, "masters": {name: full fp32 master}}``, one per export, in order), the

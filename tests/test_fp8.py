@@ -162,6 +162,49 @@ def test_shards_give_the_whole_tensors_scales_and_bytes(granularity):
         assert torch.equal(bits(part), bits(whole[g]))
 
 
+@pytest.mark.parametrize("method", ["dithered", "error_feedback"])
+def test_a_fused_param_takes_the_blocks_of_its_checkpoint_tensors(method):
+    """Block scales on a fused param (Megatron's linear_qkv: 2 query groups of 3 heads of 48; SwiGLU fc1 of 150):
+    its bytes and scales are those of the zero-padded stack of its q/k/v (gate/up) tensors cast as one param, served
+    back in its own row order, whatever shards (mid-row cuts) hold it. Without the padding, q_proj's last block
+    (32 rows) and k_proj's (96) would share a scale."""
+    from faircast_dist import FairCaster
+    from faircast_dist.export import ExportState, Shard
+    from faircast_dist.fp8 import FusedRows
+    from helpers import checkpoint_parts, reference_fp8_fused
+    groups, q, d, k = 2, 3, 48, 200
+    qkv = FusedRows([pc for g in range(groups) for pc in ((0, g * q * d, q * d), (1, g * d, d), (2, g * d, d))])
+    fc1 = FusedRows([(0, 0, 150), (1, 0, 150)])
+    config = {"mode": "fair", "method": method, "seed": 5, "format": "fp8", "fp8_scales": "block"}
+    names = {"l.self_attention.linear_qkv.weight": qkv, "l.mlp.linear_fc1.weight": fc1, "l.mlp.linear_fc2.weight": None}
+    masters = {n: torch.randn(f.rows if f else 150, k, generator=G) * torch.exp2(
+        torch.randint(-6, 6, (f.rows if f else 150, 1), generator=G).float()) for n, f in names.items()}
+    assert [len(checkpoint_parts(n, m, groups, groups * q) or []) for n, m in masters.items()] == [3, 2, 0]
+    state = ExportState(FairCaster(config), shapes={n: m.shape for n, m in masters.items()},
+                        fused={n: f for n, f in names.items() if f})
+    shards = []
+    for name, m in masters.items():  # each param cut mid-row into three shards
+        flat, cuts = m.reshape(-1), [0, m.numel() // 3 + 7, 2 * m.numel() // 3 + 1, m.numel()]
+        shards += [Shard((name, a), flat[a:b].clone(), torch.zeros(b - a, dtype=torch.bfloat16), [(name, 0, b - a, a)])
+                   for a, b in zip(cuts, cuts[1:])]
+    snaps = []
+    for step in range(2):
+        if step:  # an update: the scales are kept where everything fits
+            for s in shards:
+                s.master.mul_(1 + 2 ** -12)
+        state.step = step
+        state.export_fp8(shards, None)
+        full = state.full_fp8(shards, None)
+        snaps.append({"step": step, "masters": {n: torch.cat([s.master for s in shards if s.key[0] == n]).view(
+            masters[n].shape) for n in masters}})
+        want = reference_fp8_fused(config, snaps, groups, groups * q)[-1]
+        for name, f in names.items():
+            assert torch.equal(bits(full[name]), bits(want[name])), (name, step)
+            assert torch.equal(state.fp8.scales[name], want[name[:-len("weight")] + "weight_scale_inv"]), (name, step)
+    assert state.fp8.scales["l.self_attention.linear_qkv.weight"].shape == (3 + 1 + 1, 2)
+    assert state.fp8.scales["l.mlp.linear_fc1.weight"].shape == (2 + 2, 2)
+
+
 def test_stochastic_and_dithered_are_unbiased_in_the_served_weight():
     """Mean over 4000 exports of q * s vs the master, per element: within 5 standard errors of a Bernoulli over
     one spacing (sd <= spacing / 2)."""
@@ -230,6 +273,15 @@ def test_bad_input():
         cast_fp8_nearest(torch.ones(4, dtype=torch.bfloat16), torch.ones(4))
     with pytest.raises(ValueError, match="residual"):
         cast_fp8_error_feedback(torch.ones(4), torch.ones(4), torch.zeros(4, dtype=torch.bfloat16))
+    from faircast_dist import FairCaster
+    from faircast_dist.fp8 import Fp8Export, FusedRows
+    with pytest.raises(ValueError, match=r"pieces of part 0 do not tile its rows once: \[\(0, 4\), \(5, 3\)\]"):
+        FusedRows([(0, 0, 4), (0, 5, 3)])
+    with pytest.raises(ValueError, match="pieces of part 1"):
+        FusedRows([(0, 0, 4), (2, 0, 4)])
+    with pytest.raises(ValueError, match="'w.weight' has 9 rows, its fused checkpoint tensors \\[4, 4\\] \\(8\\)"):
+        Fp8Export(FairCaster({"mode": "nearest", "format": "fp8", "fp8_scales": "block"}), {"w.weight": (9, 3)},
+                  {"w.weight": FusedRows([(0, 0, 4), (1, 0, 4)])})
 
 
 def test_loaded_scales_of_another_kind_or_params_are_refused_by_name():

@@ -30,10 +30,12 @@ SAVE_AFTER, STEPS = 2, 4  # resume runs: save after 2 steps, compare steps 3 and
 # FP8 served weights (format "fp8"; Megatron: channel scales)
 FP8 = {"error_feedback": {**EF, "format": "fp8"}, "dithered": {**DITHER, "format": "fp8"},
        "nearest_via_bf16": {"mode": "nearest", "format": "fp8", "fp8_via_bf16": True},
-       "stochastic_ue8m0": {**SR, "format": "fp8", "fp8_ue8m0": True}}
+       "stochastic_ue8m0": {**SR, "format": "fp8", "fp8_ue8m0": True},
+       # 128x128 blocks of the checkpoint's q/k/v and gate/up tensors (the model: 4 heads, 4 query groups)
+       "block_dithered": {**DITHER, "format": "fp8", "fp8_scales": "block"}}
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
-CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef", "vpp_ef", "cp_ef", "stock", "fp8_error_feedback", "fp8_dithered")}
+CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef", "vpp_ef", "cp_ef", "stock", "fp8_error_feedback", "fp8_dithered", "fp8_block_dithered")}
 
 # (TP, PP, DP, DistributedOptimizer)
 LAYOUTS = [(1, 1, 1, True), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, True), (1, 1, 2, False),
@@ -88,11 +90,11 @@ def _jobs(layout):
     jobs = {f"{m}_fixed": dict(export_cast=c, distopt=distopt, set_state=5, exports=3) for m, c in METHODS.items()}
     jobs.update({f"{m}_train": dict(export_cast=c, distopt=distopt, steps=2) for m, c in METHODS.items()})
     jobs.update({f"fp8_{m}_fixed": dict(export_cast=c, distopt=distopt, set_state=5, exports=2)
-                 for m, c in FP8.items() if m in FP8_FIXED or layout == (1, 1, 1, True)})
+                 for m, c in FP8.items() if m in FP8_LAYOUTS or layout == (1, 1, 1, True)})
     if layout == (1, 1, 2, True):  # FP8 checkpoints, resumed in resume_run(1, 1, 2) and (2, 1, 1)
         jobs.update({f"fp8_{m}": dict(export_cast=FP8[m], distopt=True, steps=STEPS, save=CKPT[f"fp8_{m}"],
                                       save_after=SAVE_AFTER, sharding="fully_reshardable")
-                     for m in ("error_feedback", "dithered")})
+                     for m in ("error_feedback", "dithered", "block_dithered")})
     for moe in MOE_LAYOUTS:  # the MoE layouts that share this launch (before any activate())
         if moe[:4] == layout:
             jobs.update(_moe_jobs(moe))
@@ -130,7 +132,8 @@ def _jobs(layout):
     if layout in TELEMETRY:
         jobs["telemetry"] = dict(export_cast=SR, distopt=distopt, steps=3, telemetry=TELEMETRY[layout])
     if layout == FP8_TELEMETRY:
-        jobs["fp8_telemetry"] = dict(export_cast=FP8["dithered"], distopt=distopt, steps=3, telemetry=300)
+        jobs.update({f"fp8_{m}_telemetry": dict(export_cast=FP8[m], distopt=distopt, steps=3, telemetry=300)
+                     for m in ("dithered", "block_dithered")})
     if layout == (1, 1, 2, True):  # Megatron-LM's logging path (stand-ins for megatron.training); last:
         lm = ["--bf16", "--export-cast", "fair", "--export-cast-seed", "7", "--log-interval", "3",
               "--tensorboard-log-interval", "2"]  # scalars follow Megatron's: every 2, not every 3
@@ -182,16 +185,19 @@ RESUMES = {
     (2, 1, 1): {"full_ef": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable")},
     (1, 2, 1): {"f16_ef_dp2_to_pp2": _resume("f16_ef", export_cast=EF, distopt=False)},
 }
-FP8_FIXED = ("error_feedback", "dithered")  # on every layout; the other FP8 casts on (1, 1, 1) only
+FP8_FIXED = ("error_feedback", "dithered")  # on every layout, and resumed; the other FP8 casts on (1, 1, 1) only
+FP8_LAYOUTS = (*FP8_FIXED, "block_dithered")  # on every layout
 RESUMES[(1, 1, 2)].update({f"fp8_{m}": _resume(f"fp8_{m}", export_cast=FP8[m], distopt=True,
                                                sharding="fully_reshardable") for m in FP8_FIXED})
 RESUMES[(1, 1, 2)]["fp8_from_bf16"] = _resume("dp_ef", export_cast=FP8["error_feedback"], distopt=True,
                                               sharding="dp_reshardable")
 RESUMES[(2, 1, 1)]["fp8_error_feedback_tp2"] = _resume("fp8_error_feedback", export_cast=FP8["error_feedback"],
                                                        distopt=True, sharding="fully_reshardable")
+RESUMES[(2, 1, 1)]["fp8_block_dithered_tp2"] = _resume("fp8_block_dithered", export_cast=FP8["block_dithered"],
+                                                       distopt=True, sharding="fully_reshardable")
 MOE_SAVED_BY = (1, 1, 2, True, 2, 1)
 SAVED_BY = {"dp_ef": (1, 1, 2, True), "dp_sr": (1, 1, 2, True), "full_ef": (2, 1, 1, True),
-            "fp8_error_feedback": (1, 1, 2, True), "fp8_dithered": (1, 1, 2, True),
+            "fp8_error_feedback": (1, 1, 2, True), "fp8_dithered": (1, 1, 2, True), "fp8_block_dithered": (1, 1, 2, True),
             "f16_ef": (1, 1, 2, False), "overlap_ef": (1, 1, 2, True), "moe_ef": MOE_SAVED_BY}
 
 
@@ -656,62 +662,99 @@ def test_megatron_lm_logs_drift_at_tensorboard_log_interval_to_tensorboard_and_w
     assert records["lm_flag_off"]["installed"] == ["DistributedOptimizer"]  # Fair Cast itself stays on
 
 
-def test_fp8_drift_telemetry_equals_the_gathered_model():
+@pytest.mark.parametrize("name", ["dithered", "block_dithered"])
+def test_fp8_drift_telemetry_equals_the_gathered_model(name):
     """``export-cast/fp8-*`` (TP 2, PP 2, Float16): the FP8 copy's changed fraction, lag and gap are those of one FP8
     DriftSample fed the gathered FP8 model, its scales and the masters from the install-time cast on; the
-    rescales are the reference's."""
+    rescales are the reference's. Block scales: measured on the stack of the checkpoint's tensors."""
+    import types
     from faircast_dist import ExportCastConfig, FairCaster
     from faircast_dist.fp8 import Fp8Export
     from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
-    record = layout_run(FP8_TELEMETRY)["fp8_telemetry"]
+    from megatron_patches.layout import fused_rows
+    record = layout_run(FP8_TELEMETRY)[f"fp8_{name}_telemetry"]
     assert "error" not in record, record.get("error")
     snaps = record["fp8"]  # the install-time export, then one per step
     first = snaps[0]["masters"]
-    fp8 = Fp8Export(FairCaster(ExportCastConfig.from_value(FP8["dithered"])), {n: m.shape for n, m in first.items()})
+    model = types.SimpleNamespace(num_attention_heads=4, num_query_groups=4, kv_channels=6, gated_linear_unit=True)
+    fused = {n: f for n, m in first.items() if m.dim() == 2 and (f := fused_rows(n, m.shape, model))}
+    fp8 = Fp8Export(FairCaster(ExportCastConfig.from_value(FP8[name])), {n: m.shape for n, m in first.items()}, fused)
+    assert bool(fp8.fused) == (name == "block_dithered")
     whole = DriftSample(sample_stride(sum(m.numel() for m in first.values()), 300), fp8=fp8)
     assert len(record["drift"]) == 3 and whole.stride > 1
     for t, snap in enumerate(snaps):
         fp8.scales = {n: snap["served"][fp8.scale_name(n)] for n in fp8.shapes}
         whole.observe([(n, snap["masters"][n].reshape(-1), snap["served"][n].view(torch.uint8).reshape(-1),
-                        [(n, 0, snap["masters"][n].numel(), 0)]) for n in fp8.shapes])
+                        fp8.runs([(n, 0, snap["masters"][n].numel(), 0)])) for n in fp8.shapes])
         if t:
             want, got = reduce_drift([whole]), record["drift"][t - 1]
             for what in ("changed_fraction", "gap_ulps"):
                 assert got[f"export-cast/fp8-{what.replace('_', '-')}"] == pytest.approx(want[what], rel=1e-9), (t, what)
             assert got["export-cast/fp8-lag-steps"] == want["lag_steps"], t
             assert got["export-cast/fp8-rescales"] == sum(int((snap["served"][n] != snaps[t - 1]["served"][n]).sum())
-                                                          for n in snap["served"] if n.endswith("_scale"))
+                                                          for n in snap["served"] if "_scale" in n)
     assert record["drift"][0]["export-cast/fp8-changed-fraction"] > 0  # from the install-time cast
 
 
 # -- FP8 served weights ------------------------------------------------------------------------------
 def _fp8_check(record, name):
     from faircast_dist import ExportCastConfig
-    from helpers import reference_fp8
+    from helpers import reference_fp8, reference_fp8_fused
     assert "error" not in record, record.get("error")
     snaps = record["fp8"]
     assert snaps and all(s["served"] for s in snaps)
-    for k, (snap, ref) in enumerate(zip(snaps, reference_fp8(ExportCastConfig.from_value(FP8[name]), snaps))):
+    config = ExportCastConfig.from_value(FP8[name])
+    refs = reference_fp8_fused(config, snaps, groups=4, heads=4) if config.fp8_scales == "block" \
+        else reference_fp8(config, snaps)
+    for k, (snap, ref) in enumerate(zip(snaps, refs)):
         assert_same(snap["served"], ref, f"FP8 served weights, export {k}")
 
 
 @pytest.mark.parametrize("layout", [l for l in LAYOUTS if l not in BIG] + [pytest.param(l, marks=pytest.mark.slow)
                                                                           for l in LAYOUTS if l in BIG], ids=layout_id)
-@pytest.mark.parametrize("name", FP8_FIXED)
+@pytest.mark.parametrize("name", FP8_LAYOUTS)
 def test_fp8_served_weights_are_the_single_process_reference(name, layout):
     """FP8 served weights under TP (row-parallel ``linear_proj`` / ``fc2``: each channel spans the TP ranks), PP,
     DP, DistributedOptimizer (flat ranges cut rows) and the Float16 optimizer: at install and after each export
     of one preset master state, served_weights' FP8 params and scales are the spec cast of the whole gathered
-    masters (sticky scales, the FP8 residual carried); the bf16 params' exports still pass their check."""
+    masters (sticky scales, the FP8 residual carried); the bf16 params' exports still pass their check. Block
+    scales: those of the checkpoint's q/k/v and gate/up tensors (``helpers.reference_fp8_fused``)."""
     record = layout_run(layout)[f"fp8_{name}_fixed"]
     _fp8_check(record, name)
     assert record["mismatch"] == 0
     names = list(record["fp8"][0]["served"])
-    assert "decoder.layers.0.self_attention.linear_qkv.weight_scale" in names
+    scale = "weight_scale_inv" if FP8[name].get("fp8_scales") == "block" else "weight_scale"
+    assert f"decoder.layers.0.self_attention.linear_qkv.{scale}" in names
     assert not any("embedding" in n or "output_layer" in n or "norm" in n for n in names)
 
 
-@pytest.mark.parametrize("name", [n for n in FP8 if n not in FP8_FIXED])
+def test_fused_rows_are_the_checkpoints_tensors_for_grouped_query_attention():
+    """``fused_rows`` of a GQA ``linear_qkv`` (8 heads in 2 query groups of 40) and a SwiGLU ``fc1``: the stack rows
+    it gives each fused row are where the tests' reshape (``helpers.checkpoint_parts``) puts them; a layout it does
+    not know (gated attention, another row count) is refused by name."""
+    import types
+    from helpers import block_stack, checkpoint_parts
+    from megatron_patches.layout import fused_rows
+    config = types.SimpleNamespace(num_attention_heads=8, num_query_groups=2, kv_channels=40, gated_linear_unit=True)
+    for name, rows in (("decoder.layers.1.self_attention.linear_qkv.weight", 2 * 6 * 40),
+                       ("decoder.layers.1.mlp.linear_fc1.weight", 2 * 300),
+                       ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", 2 * 100)):
+        w = torch.arange(rows, dtype=torch.float64)[:, None] + 1
+        stack = block_stack(checkpoint_parts(name, w, groups=2, heads=8))
+        f = fused_rows(name, (rows, 7), config)
+        assert f.stack_rows() == stack.shape[0]
+        assert torch.equal(stack[f.stack_row_of(), 0], w[:, 0]), name
+    assert fused_rows("decoder.layers.1.self_attention.linear_proj.weight", (320, 320), config) is None
+    assert fused_rows("decoder.layers.1.mlp.linear_fc1.weight", (600, 320),
+                      types.SimpleNamespace(**{**vars(config), "gated_linear_unit": False})) is None
+    with pytest.raises(NotImplementedError, match="'decoder.layers.1.self_attention.linear_qkv.weight' has 400 rows"):
+        fused_rows("decoder.layers.1.self_attention.linear_qkv.weight", (400, 320), config)
+    with pytest.raises(NotImplementedError, match="attention_output_gate"):
+        fused_rows("decoder.layers.1.self_attention.linear_qkv.weight", (480, 320),
+                   types.SimpleNamespace(**vars(config), attention_output_gate=True))
+
+
+@pytest.mark.parametrize("name", [n for n in FP8 if n not in FP8_LAYOUTS])
 def test_fp8_other_casts_are_the_reference(name):
     _fp8_check(layout_run((1, 1, 1, True))[f"fp8_{name}_fixed"], name)
 
@@ -725,6 +768,19 @@ def test_fp8_resume_equals_uninterrupted(name):
     _check_resume_is_uninterrupted(straight, resumed)
     for k, snap in enumerate(resumed["fp8"]):
         assert_same(snap["served"], straight["fp8"][SAVE_AFTER + k]["served"], f"FP8 at step {SAVE_AFTER + k}")
+
+
+def test_fp8_block_scales_resume_at_tp2():
+    """Block scales (on the checkpoint's q/k/v and gate/up tensors) saved at DP 2 and loaded at TP 2: the FP8 bits
+    and the kept scales served after the load are the uninterrupted run's."""
+    straight = layout_run(SAVED_BY["fp8_block_dithered"])["fp8_block_dithered"]
+    tp2 = resume_run(2, 1, 1)["fp8_block_dithered_tp2"]
+    assert "error" not in tp2, tp2.get("error")
+    assert_same(tp2["fp8"][0]["served"], straight["fp8"][SAVE_AFTER]["served"], "loaded at TP 2")
+    from helpers import reference_fp8_fused
+    saved = straight["fp8"][SAVE_AFTER]  # scales set afresh from the loaded masters would differ: they are kept
+    fresh = reference_fp8_fused(FP8["block_dithered"], [saved], groups=4, heads=4)[0]
+    assert any(not torch.equal(fresh[n], saved["served"][n]) for n in fresh if n.endswith("weight_scale_inv"))
 
 
 def test_fp8_checkpoint_resumes_at_tp2_and_a_bf16_one_sets_scales_afresh():

@@ -44,8 +44,10 @@ def test_fp8_flags_parse_into_the_shared_config_and_name_themselves():
     with pytest.raises(ValueError, match="--export-cast-fp8-via-bf16: .*round-to-nearest"):
         config_from_args(parser.parse_args("--bf16 --export-cast fair --export-cast-format fp8 "
                                            "--export-cast-fp8-via-bf16".split()))
-    with pytest.raises(SystemExit):  # 128x128 blocks: not on Megatron (its fused linear_qkv interleaves q/k/v)
-        parser.parse_args("--export-cast-fp8-scales block".split())
+    assert config_from_args(parser.parse_args("--bf16 --export-cast fair --export-cast-format fp8 "
+                                              "--export-cast-fp8-scales block".split())).fp8_scales == "block"
+    with pytest.raises(SystemExit):
+        parser.parse_args("--export-cast-fp8-scales row".split())
 
 
 def test_provider_chains_with_a_scripts_own_provider_and_is_idempotent():
