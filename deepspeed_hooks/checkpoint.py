@@ -9,6 +9,9 @@ which runs DeepSpeed's converter, then adds for every param
 ``zero/<name>/export_cast_residual.pt`` and ``zero/<name>/export_cast_served.pt`` (``{"param":
 full tensor}``, the layout of DeepSpeed's own files) and ``zero/export_cast.pt`` (``{"step": int,
 "config": dict}``); frozen params (which DeepSpeed's converter drops) get their served value too.
+With ``format "fp8"`` also ``zero/<name>/export_cast_fp8.pt`` (the E4M3 bits served, uint8),
+``export_cast_fp8_residual.pt`` (error feedback) and the sticky scales in ``zero/export_cast.pt``
+(``"fp8_scales": {name: float32 scales}``).
 Loading it with ``"checkpoint": {"load_universal": true}`` at any DP size (ZeRO-1/2,
 BF16_Optimizer, ZeRO-3) gives each element its own residual and served value back.
 
@@ -39,7 +42,8 @@ import sys
 import torch
 from deepspeed.utils import logger
 
-from deepspeed_hooks.export import RESIDUAL_KEY, SERVED_KEY, STATE_KEYS, STEP_KEY, UNIVERSAL_STATE_FILE
+from deepspeed_hooks.export import (FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY, RESIDUAL_KEY, SERVED_KEY, STATE_KEYS,
+                                    STEP_KEY, UNIVERSAL_STATE_FILE)
 from faircast_dist.export import warn
 from faircast_dist.shards import partition_range
 
@@ -62,8 +66,8 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
         key: a per-element state key (``"export_cast_residual"``, ``"export_cast_served"``...).
 
     Returns:
-        ``({param name: tensor of the param's full shape}, {"step": int | None, "config": dict|None})``;
-        the dict is empty when no rank has the key.
+        ``({param name: tensor of the param's full shape}, {"step": int | None, "fp8_scales": dict | None})``;
+        the first dict is empty when no rank has the key.
 
     Raises:
         FileNotFoundError: no ZeRO optimizer files in ``tag_dir``.
@@ -73,7 +77,7 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
     if not files:
         raise FileNotFoundError(f"no ZeRO optimizer-state files in {tag_dir}")
     sds = [_load(f)["optimizer_state_dict"] for f in files]
-    meta = {"step": None, "config": None}
+    meta = {"step": None, "fp8_scales": None}
     out: dict[str, torch.Tensor] = {}
     if "param_slice_mappings" in sds[0]:  # ZeRO-1/2, BF16_Optimizer: fragments per rank, in rank order
         model = _load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
@@ -83,6 +87,7 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
             for g, mapping in enumerate(sd["param_slice_mappings"]):
                 state = sd["base_optimizer_state"]["state"][g]
                 meta["step"] = state.get(STEP_KEY, meta["step"])
+                meta["fp8_scales"] = state.get(FP8_SCALES_KEY, meta["fp8_scales"])
                 if key in state:
                     for name, frag in mapping.items():
                         pieces.setdefault(name, []).append(state[key].narrow(0, frag.start, frag.numel))
@@ -93,7 +98,7 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
     # to back per sub-group
     shapes = _load(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))["param_shapes"]
     states = [sd["optimizer_state_dict"]["state"] for sd in sds]
-    meta["step"] = states[0][0].get(STEP_KEY)
+    meta["step"], meta["fp8_scales"] = states[0][0].get(STEP_KEY), states[0][0].get(FP8_SCALES_KEY)
     if any(key not in st[g] for st in states for g in range(len(shapes))):
         return {}, meta
     for g, group in enumerate(shapes):
@@ -158,6 +163,8 @@ def to_universal(tag_dir: str, out_dir: str) -> None:
         raise ValueError(f"{tag_dir} has no '{SERVED_KEY}': it was not written with Fair Cast")
     served = read_served(tag_dir)  # the trained params and the frozen ones
     residual, _ = read_state(tag_dir, RESIDUAL_KEY)
+    fp8, _ = read_state(tag_dir, FP8_KEY)
+    fp8_residual, _ = read_state(tag_dir, FP8_RESIDUAL_KEY)
     dense = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     stage3 = not os.path.exists(dense)
     config = _load(dense if not stage3 else os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -170,11 +177,13 @@ def to_universal(tag_dir: str, out_dir: str) -> None:
            "--output_folder", tmp, "--num_extract_workers", "1", "--num_merge_workers", "1"]
     subprocess.run(cmd + ([] if stage3 else ["--inject_missing_state"]), check=True)
     zero = os.path.join(tmp, "zero")
-    for key, values in ((SERVED_KEY, served), (RESIDUAL_KEY, residual)):
+    for key, values in ((SERVED_KEY, served), (RESIDUAL_KEY, residual), (FP8_KEY, fp8),
+                        (FP8_RESIDUAL_KEY, fp8_residual)):
         for name, tensor in values.items():
             os.makedirs(os.path.join(zero, name), exist_ok=True)  # a frozen param has no folder yet
             torch.save({"param": tensor}, os.path.join(zero, name, f"{key}.pt"))
-    torch.save({"step": meta["step"], "config": config}, os.path.join(zero, UNIVERSAL_STATE_FILE))
+    torch.save({"step": meta["step"], "config": config, "fp8_scales": meta["fp8_scales"] if fp8 else None},
+               os.path.join(zero, UNIVERSAL_STATE_FILE))
     os.replace(tmp, out_dir)  # only a complete conversion appears under the final name
     root, name = os.path.split(out_dir.rstrip(os.sep))
     with open(os.path.join(root, "latest_universal"), "w") as f:  # DeepSpeed's converter named the .partial

@@ -448,11 +448,13 @@ class OptimizerExport:
             state = self.group_state(hp)
             state[STEP_KEY] = meta["step"]
             for key in (RESIDUAL_KEY, SERVED_KEY, FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY):
-                state.pop(key, None)  # DeepSpeed's own loader may have put an fp32 copy there (FP8: not converted)
-        if RESIDUAL_KEY in values:
-            load_full(self, values[RESIDUAL_KEY], RESIDUAL_KEY)
-        if SERVED_KEY in values:
-            load_full(self, values[SERVED_KEY], SERVED_KEY, dtype=torch.bfloat16)
+                state.pop(key, None)  # DeepSpeed's own loader may have put an fp32 copy there
+            if meta.get("fp8_scales") is not None:
+                state[FP8_SCALES_KEY] = meta["fp8_scales"]
+        for key, dtype in ((RESIDUAL_KEY, None), (SERVED_KEY, torch.bfloat16), (FP8_KEY, torch.uint8),
+                           (FP8_RESIDUAL_KEY, torch.float32)):
+            if key in values:
+                load_full(self, values[key], key, dtype=dtype)
 
     @torch.no_grad()
     def gather(self, key: str | None = None) -> dict[str, torch.Tensor]:
@@ -511,11 +513,12 @@ def _flat_out(fragments: list[Fragment]) -> torch.Tensor | None:
 
 
 def read_universal(folder: str, names: list[str]) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """The Fair Cast state of a universal checkpoint: ``(meta, {key: {name: full tensor}})``."""
+    """The Fair Cast state of a universal checkpoint: ``(meta, {key: {name: full tensor}})`` (FP8: its bits and
+    residuals by param, its scales in ``meta["fp8_scales"]``)."""
     zero = os.path.join(folder, "zero")
     meta = torch.load(os.path.join(zero, UNIVERSAL_STATE_FILE), weights_only=False)
     values = {}
-    for key in (RESIDUAL_KEY, SERVED_KEY):
+    for key in (RESIDUAL_KEY, SERVED_KEY, FP8_KEY, FP8_RESIDUAL_KEY):
         files = {n: os.path.join(zero, n, f"{key}.pt") for n in names}
         if all(os.path.exists(f) for f in files.values()):
             values[key] = {n: torch.load(f, weights_only=False)["param"] for n, f in files.items()}

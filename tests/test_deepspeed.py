@@ -455,6 +455,25 @@ def test_fp8_resume_equals_uninterrupted(path, tmp_path):
         assert_same(resumed["fp8"][k]["served"], straight["fp8"][3 + k]["served"])
 
 
+@pytest.mark.parametrize("path", ["zero2", "zero3"])
+def test_fp8_universal_checkpoint_keeps_bits_scales_and_residuals(path, tmp_path, capfd):
+    """FP8 error feedback saved at DP 2 after step 3, converted with ``deepspeed_hooks.checkpoint`` and loaded at DP 1:
+    the FP8 bits, sticky scales and FP8 residuals come back (not set afresh, no warning), so the load and steps 4-5
+    serve what the uninterrupted DP 2 run served (stock ZeRO is bitwise the same at DP 1 and 2)."""
+    import os
+    from deepspeed_hooks.checkpoint import to_universal
+    straight = fp8_trained(2, path, "error_feedback")[0]
+    run(2, path=path, export_cast=FP8["error_feedback"], steps=3, save_dir=str(tmp_path))
+    to_universal(os.path.join(tmp_path, "global_step3"), os.path.join(tmp_path, "universal"))
+    capfd.readouterr()
+    resumed = run(1, path=path, export_cast=FP8["error_feedback"], steps=2, load_dir=str(tmp_path),
+                  load_tag="universal")[0]
+    printed = capfd.readouterr()
+    assert "no FP8 export state" not in printed.out + printed.err
+    for k in range(3):
+        assert_same(resumed["fp8"][k]["served"], straight["fp8"][3 + k]["served"])
+
+
 def test_fp8_from_a_bf16_checkpoint_warns_and_casts_fresh(tmp_path, capfd):
     from helpers import reference_fp8
     run(2, export_cast=EF, steps=3, save_dir=str(tmp_path))
