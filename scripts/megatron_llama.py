@@ -200,10 +200,16 @@ def megatron_to_hf(mc_state: dict, hf_config) -> dict:
 
     The padding is read off the ``linear_qkv`` shape, so any TP size's full tensors work. With
     tied embeddings only ``model.embed_tokens.weight`` is returned (``lm_head`` shares it).
+
+    FP8 served weights (``megatron_patches.served_weights`` with ``--export-cast-format fp8``) map too: an
+    E4M3 weight as the bf16 one, and its scales beside it under the HF name (``...weight_scale`` rows split
+    with the weight's; ``...weight_scale_inv``, the 128x128 blocks of the q/k/v and gate/up tensors one after
+    the other, split at each tensor's block rows, the padding groups' blocks dropped).
     """
     H, d, G = hf_config.hidden_size, head_dim(hf_config), hf_config.num_key_value_heads
     q = hf_config.num_attention_heads // G
     F = hf_config.intermediate_size
+    blocks = lambda n: -(-n // 128)  # noqa: E731
     out = {"model.embed_tokens.weight": mc_state["embedding.word_embeddings.weight"]}
     for i in range(hf_config.num_hidden_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -211,19 +217,37 @@ def megatron_to_hf(mc_state: dict, hf_config) -> dict:
         if qkv.shape[0] % ((q + 2) * d) or qkv.shape[0] // ((q + 2) * d) < G:
             raise ValueError(f"{mc}self_attention.linear_qkv.weight has shape {tuple(qkv.shape)}: not "
                              f"a multiple >= {G} of {(q + 2) * d} rows (q={q} heads + k + v, head dim {d})")
-        qkv = qkv.reshape(-1, (q + 2) * d, H)[:G]
-        out[hf + "self_attn.q_proj.weight"] = qkv[:, :q * d].reshape(G * q * d, H)
-        out[hf + "self_attn.k_proj.weight"] = qkv[:, q * d:(q + 1) * d].reshape(G * d, H)
-        out[hf + "self_attn.v_proj.weight"] = qkv[:, (q + 1) * d:].reshape(G * d, H)
-        out[hf + "self_attn.o_proj.weight"] = mc_state[mc + "self_attention.linear_proj.weight"][:, :G * q * d]
-        fc1 = mc_state[mc + "mlp.linear_fc1.weight"]
-        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = fc1[:F], fc1[F:]
+        Gp = qkv.shape[0] // ((q + 2) * d)
+        for key, t in _with_scales(mc_state, mc + "self_attention.linear_qkv."):
+            if key == "weight_scale_inv":  # [q blocks; k blocks; v blocks] of the padded tensors
+                sq, sk, sv = t.split([blocks(Gp * q * d), blocks(Gp * d), blocks(Gp * d)])
+                parts = sq[:blocks(G * q * d)], sk[:blocks(G * d)], sv[:blocks(G * d)]
+            else:
+                x = t.reshape(Gp, (q + 2) * d, t.shape[1])[:G]
+                parts = [x[:, a:b].reshape(-1, t.shape[1]) for a, b in ((0, q * d), (q * d, (q + 1) * d),
+                                                                         ((q + 1) * d, (q + 2) * d))]
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                out[f"{hf}self_attn.{proj}.{key}"] = part
+        for key, t in _with_scales(mc_state, mc + "self_attention.linear_proj."):
+            out[f"{hf}self_attn.o_proj.{key}"] = t[:, :blocks(G * q * d)] if key == "weight_scale_inv" \
+                else t[:, :G * q * d] if key == "weight" else t
+        for key, t in _with_scales(mc_state, mc + "mlp.linear_fc1."):
+            cut = blocks(F) if key == "weight_scale_inv" else F
+            out[f"{hf}mlp.gate_proj.{key}"], out[f"{hf}mlp.up_proj.{key}"] = t[:cut], t[cut:]
         for mc_name, hf_name in _LAYER.items():
-            out[hf + hf_name] = mc_state[mc + mc_name]
+            for key, t in _with_scales(mc_state, mc + mc_name[:-len("weight")]):
+                out[hf + hf_name[:-len("weight")] + key] = t
     out["model.norm.weight"] = mc_state["decoder.final_layernorm.weight"]
     if not hf_config.tie_word_embeddings:
         out["lm_head.weight"] = mc_state["output_layer.weight"]
     return out
+
+
+def _with_scales(mc_state: dict, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` of ``prefix + "weight"`` and, for an FP8 weight, its ``weight_scale`` / ``weight_scale_inv``
+    (a norm's ``layer_norm_weight`` prefix ends in ``layer_norm_``)."""
+    return [(key, mc_state[prefix + key]) for key in ("weight", "weight_scale", "weight_scale_inv")
+            if prefix + key in mc_state]
 
 
 def padding_masks(hf_config, tp: int) -> dict:

@@ -61,6 +61,45 @@ def test_full_layout_round_trips_and_pads_with_zero_groups(tp):
         assert int(mask.sum()) == (G * (q + 2) * d * H if "qkv" in name else H * G * q * d)
 
 
+def _fp8_export(config, masters, fused=None):
+    """``{name: E4M3 weight, scale name: scales}`` of one single-process FP8 export of whole ``masters``."""
+    from faircast_dist.export import ExportState, Shard
+    state = ExportState(config, shapes={n: m.shape for n, m in masters.items()}, fused=fused)
+    shards = [Shard(n, m.reshape(-1).float().contiguous(), torch.zeros(m.numel(), dtype=torch.bfloat16),
+                    [(n, 0, m.numel(), 0)]) for n, m in masters.items()]
+    state.export_fp8(shards, None)
+    full = state.full_fp8(shards, None)
+    return {**full, **{state.fp8.scale_name(n): s for n, s in state.fp8.scales.items()}}
+
+
+@pytest.mark.parametrize("scales", ["channel", "block"])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_fp8_served_megatron_weights_map_to_the_hf_fp8_checkpoint(scales, tp):
+    """FP8 round-to-nearest (the stacks' cast: no random bits keyed on names) of the Megatron layout (fused q/k/v
+    and gate/up, KV groups padded at TP 4) mapped by megatron_to_hf is the FP8 checkpoint of the HF tensors, byte for
+    byte and scale for scale: with block scales, the padded stack's blocks (megatron_patches.layout.fused_rows) are
+    the HF tensors' (dims not multiples of 128: 2 KV groups of 2 heads of 72, ffn 200, hidden 256)."""
+    from megatron_patches.layout import fused_rows
+    cfg = tiny_config(hidden_size=256, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=72)
+    hf = {k: v.float() for k, v in random_hf_state(cfg).items()}
+    config = {"mode": "nearest", "format": "fp8", "fp8_scales": scales}
+    mc = ml.hf_to_megatron(hf, cfg, tp)
+    tconfig = ml.transformer_config(cfg, tp)
+    fused = {n: f for n, m in mc.items() if m.dim() == 2 and (f := fused_rows(n, m.shape, tconfig))}
+    assert len(fused) == 2 * cfg.num_hidden_layers
+    served = ml.megatron_to_hf({**mc, **_fp8_export(config, mc, fused)}, cfg)
+    want = _fp8_export(config, hf)
+    assert sorted(n for n in served if "_scale" in n) == sorted(n for n in want if "_scale" in n)
+    for name, t in want.items():
+        assert t.dtype == served[name].dtype and torch.equal(served[name].view(torch.uint8) if t.dtype ==
+                                                              torch.float8_e4m3fn else served[name],
+                                                              t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn
+                                                              else t), name
+    if scales == "block":
+        assert want["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (3, 2)
+
+
 def test_tp_shards_put_whole_groups_and_gate_up_halves_on_each_rank():
     cfg = tiny_config()
     full = ml.hf_to_megatron(random_hf_state(cfg), cfg, 2)
