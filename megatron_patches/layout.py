@@ -238,8 +238,8 @@ def fused_rows(name: str, shape: Sequence[int], config) -> FusedRows | None:
     """How a fused param's rows map onto the checkpoint's tensors (for FP8 128x128 block scales, which are defined
     on those): Megatron's ``linear_qkv`` ``[G (q + 2) d, H]`` holds, per query group ``g``, its ``q`` query heads'
     rows, then its key head's, then its value head's (``q_proj``, ``k_proj``, ``v_proj`` rows ``g q d``, ``g d``,
-    ``g d``: ``SelfAttention.get_query_key_value_tensors`` in megatron/core/transformer/attention.py); a SwiGLU ``linear_fc1``
-    (``gated_linear_unit``) is ``[gate; up]``. Other params: None.
+    ``g d``: ``SelfAttention.get_query_key_value_tensors`` in megatron/core/transformer/attention.py); a SwiGLU
+    ``linear_fc1`` (``gated_linear_unit``) is ``[gate; up]``. Other params: None.
 
     Args:
         name: the canonical name (:class:`ParamLayout`).

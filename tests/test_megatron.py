@@ -35,7 +35,9 @@ FP8 = {"error_feedback": {**EF, "format": "fp8"}, "dithered": {**DITHER, "format
        "block_dithered": {**DITHER, "format": "fp8", "fp8_scales": "block"}}
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
-CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef", "vpp_ef", "cp_ef", "stock", "fp8_error_feedback", "fp8_dithered", "fp8_block_dithered")}
+CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef",
+                                                         "vpp_ef", "cp_ef", "stock", "fp8_error_feedback",
+                                                         "fp8_dithered", "fp8_block_dithered")}
 
 # (TP, PP, DP, DistributedOptimizer)
 LAYOUTS = [(1, 1, 1, True), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, True), (1, 1, 2, False),
@@ -197,7 +199,8 @@ RESUMES[(2, 1, 1)]["fp8_block_dithered_tp2"] = _resume("fp8_block_dithered", exp
                                                        distopt=True, sharding="fully_reshardable")
 MOE_SAVED_BY = (1, 1, 2, True, 2, 1)
 SAVED_BY = {"dp_ef": (1, 1, 2, True), "dp_sr": (1, 1, 2, True), "full_ef": (2, 1, 1, True),
-            "fp8_error_feedback": (1, 1, 2, True), "fp8_dithered": (1, 1, 2, True), "fp8_block_dithered": (1, 1, 2, True),
+            "fp8_error_feedback": (1, 1, 2, True), "fp8_dithered": (1, 1, 2, True),
+            "fp8_block_dithered": (1, 1, 2, True),
             "f16_ef": (1, 1, 2, False), "overlap_ef": (1, 1, 2, True), "moe_ef": MOE_SAVED_BY}
 
 
