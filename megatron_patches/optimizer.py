@@ -56,6 +56,7 @@ from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.config import STATE_KEY
 from faircast_dist.copy_hook import ReplaceCopies
 from faircast_dist.export import ExportState, Shard, fp8_note, warn
+from faircast_dist.fp8 import fp8_param
 from faircast_dist.shards import from_bits, to_bits
 from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
 from faircast_dist.wraps import Wraps
@@ -572,11 +573,9 @@ def install(optimizer, model_chunks, *, config, telemetry: bool = False,
     shapes = _fp8_shapes(config, leaves, layouts)
     exports = []
     for k, leaf in enumerate(leaves):
-        fused = {} if shapes is None or config.fp8_scales != "block" else {
-            n: fused_rows(n, shape, model_chunks[0].config) for n, shape in shapes[k].items() if len(shape) == 2}
         export = MegatronExport(leaf, FairCaster(config), layouts, model_chunks, iteration,
                                 shapes=None if shapes is None else shapes[k], index=k,
-                                fused={n: f for n, f in fused.items() if f is not None})
+                                fused=_fused(config, shapes and shapes[k], model_chunks[0].config))
         for shard in export.shards():
             if compat.is_quantized_param(leaf, shard.model_param):
                 raise NotImplementedError(f"--export-cast fair: param {shard.layout.name!r} is FP8/FP4 "
@@ -637,6 +636,15 @@ def _fp8_shapes(config, leaves, layouts) -> list[dict] | None:
         raise NotImplementedError(f"export_cast FP8 on Megatron: the ranks hold different numbers of optimizers "
                                   f"({sorted({len(e) for e in everyone})}); the FP8 scales are reduced per optimizer")
     return [{n: shape for e in everyone for n, shape in e[k].items()} for k in range(len(leaves))]
+
+
+def _fused(config, shapes: dict | None, model_config) -> dict:
+    """``format "fp8"`` with block scales: ``{name: FusedRows}`` of the FP8 params among ``shapes`` that fuse
+    checkpoint tensors (:func:`megatron_patches.layout.fused_rows`; an excluded param is not asked). Else empty."""
+    if not shapes or config.fp8_scales != "block":
+        return {}
+    fused = {n: fused_rows(n, shape, model_config) for n, shape in shapes.items() if fp8_param(config, n, tuple(shape))}
+    return {n: f for n, f in fused.items() if f is not None}
 
 
 def _print_rank_0(message: str) -> None:

@@ -210,7 +210,7 @@ def megatron_to_hf(mc_state: dict, hf_config) -> dict:
     q = hf_config.num_attention_heads // G
     F = hf_config.intermediate_size
     blocks = lambda n: -(-n // 128)  # noqa: E731
-    out = {"model.embed_tokens.weight": mc_state["embedding.word_embeddings.weight"]}
+    out = {f"model.embed_tokens.{key}": t for key, t in _with_scales(mc_state, "embedding.word_embeddings.")}
     for i in range(hf_config.num_hidden_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         qkv = mc_state[mc + "self_attention.linear_qkv.weight"]
@@ -239,7 +239,7 @@ def megatron_to_hf(mc_state: dict, hf_config) -> dict:
                 out[hf + hf_name[:-len("weight")] + key] = t
     out["model.norm.weight"] = mc_state["decoder.final_layernorm.weight"]
     if not hf_config.tie_word_embeddings:
-        out["lm_head.weight"] = mc_state["output_layer.weight"]
+        out.update({f"lm_head.{key}": t for key, t in _with_scales(mc_state, "output_layer.")})
     return out
 
 

@@ -741,7 +741,7 @@ def test_fused_rows_are_the_checkpoints_tensors_for_grouped_query_attention():
     config = types.SimpleNamespace(num_attention_heads=8, num_query_groups=2, kv_channels=40, gated_linear_unit=True)
     for name, rows in (("decoder.layers.1.self_attention.linear_qkv.weight", 2 * 6 * 40),
                        ("decoder.layers.1.mlp.linear_fc1.weight", 2 * 300),
-                       ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", 2 * 100)):
+                       ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", 2 * 100)):
         w = torch.arange(rows, dtype=torch.float64)[:, None] + 1
         stack = block_stack(checkpoint_parts(name, w, groups=2, heads=8))
         f = fused_rows(name, (rows, 7), config)
@@ -752,9 +752,20 @@ def test_fused_rows_are_the_checkpoints_tensors_for_grouped_query_attention():
                       types.SimpleNamespace(**{**vars(config), "gated_linear_unit": False})) is None
     with pytest.raises(NotImplementedError, match="'decoder.layers.1.self_attention.linear_qkv.weight' has 400 rows"):
         fused_rows("decoder.layers.1.self_attention.linear_qkv.weight", (400, 320), config)
+    gated = types.SimpleNamespace(**vars(config), attention_output_gate=True)
     with pytest.raises(NotImplementedError, match="attention_output_gate"):
-        fused_rows("decoder.layers.1.self_attention.linear_qkv.weight", (480, 320),
-                   types.SimpleNamespace(**vars(config), attention_output_gate=True))
+        fused_rows("decoder.layers.1.self_attention.linear_qkv.weight", (480, 320), gated)
+    # install asks only the params served as FP8: a linear_qkv left bf16 by fp8_exclude is no obstacle
+    from faircast_dist import ExportCastConfig
+    from megatron_patches.optimizer import _fused
+    shapes = {"decoder.layers.1.self_attention.linear_qkv.weight": (480, 320),
+              "decoder.layers.1.mlp.linear_fc1.weight": (600, 320)}
+    block = {"mode": "fair", "format": "fp8", "fp8_scales": "block"}
+    excluded = ExportCastConfig.from_value({**block, "fp8_exclude": "linear_qkv|norm"})
+    assert list(_fused(excluded, shapes, gated)) == ["decoder.layers.1.mlp.linear_fc1.weight"]
+    with pytest.raises(NotImplementedError, match="attention_output_gate"):
+        _fused(ExportCastConfig.from_value(block), shapes, gated)
+    assert _fused(ExportCastConfig.from_value({**block, "fp8_scales": "channel"}), shapes, gated) == {}
 
 
 @pytest.mark.parametrize("name", [n for n in FP8 if n not in FP8_LAYOUTS])

@@ -72,18 +72,21 @@ def _fp8_export(config, masters, fused=None):
     return {**full, **{state.fp8.scale_name(n): s for n, s in state.fp8.scales.items()}}
 
 
-@pytest.mark.parametrize("scales", ["channel", "block"])
-@pytest.mark.parametrize("tp", [1, 4])
-def test_fp8_served_megatron_weights_map_to_the_hf_fp8_checkpoint(scales, tp):
+@pytest.mark.parametrize("scales, tp, exclude", [("channel", 1, None), ("channel", 4, None), ("block", 1, None),
+                                                 ("block", 4, None), ("channel", 1, "norm"), ("block", 1, "norm")])
+def test_fp8_served_megatron_weights_map_to_the_hf_fp8_checkpoint(scales, tp, exclude):
     """FP8 round-to-nearest (the stacks' cast: no random bits keyed on names) of the Megatron layout (fused q/k/v
     and gate/up, KV groups padded at TP 4) mapped by megatron_to_hf is the FP8 checkpoint of the HF tensors, byte for
     byte and scale for scale: with block scales, the padded stack's blocks (megatron_patches.layout.fused_rows) are
-    the HF tensors' (dims not multiples of 128: 2 KV groups of 2 heads of 72, ffn 200, hidden 256)."""
+    the HF tensors' (dims not multiples of 128: 2 KV groups of 2 heads of 72, ffn 200, hidden 256). With
+    ``fp8_exclude "norm"`` (untied) the embedding and LM head are FP8 too, and keep their scales."""
     from megatron_patches.layout import fused_rows
     cfg = tiny_config(hidden_size=256, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=72)
+                      head_dim=72, tie_word_embeddings=exclude is None)
     hf = {k: v.float() for k, v in random_hf_state(cfg).items()}
-    config = {"mode": "nearest", "format": "fp8", "fp8_scales": scales}
+    config = {"mode": "nearest", "format": "fp8", "fp8_scales": scales, **({"fp8_exclude": exclude} if exclude else {})}
+    if exclude:
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(_fp8_export(config, hf))
     mc = ml.hf_to_megatron(hf, cfg, tp)
     tconfig = ml.transformer_config(cfg, tp)
     fused = {n: f for n, m in mc.items() if m.dim() == 2 and (f := fused_rows(n, m.shape, tconfig))}
