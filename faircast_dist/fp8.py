@@ -207,7 +207,7 @@ class FusedRows:
 
     def stack_row_of(self) -> torch.Tensor:
         """int64 ``[N]``: the stack row of each fused row."""
-        return torch.cat([torch.arange(s, s + n, dtype=torch.int64) for _, s, n in self.chunks])
+        return torch.cat([torch.arange(s, s + n, dtype=torch.int64, device="cpu") for _, s, n in self.chunks])
 
     def stack_runs(self, k: int, start: int, numel: int, index: int) -> list[tuple[int, int, int]]:
         """A run of the fused param (``numel`` buffer elements from ``start``, global indices from ``index``, ``k``
