@@ -61,7 +61,10 @@ def shards(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor],
     Names: the checkpoint key without leading ``module.``. ``stacked``: one tensor per key, of
     Megatron's ``global_shape`` (layers stacked on a leading axis, as in a checkpoint); else the
     layer axis is dropped and its global number put back after ``layers.``
-    (``decoder.layers.3.mlp.linear_fc1.weight``, Fair Cast's canonical names).
+    (``decoder.layers.3.mlp.linear_fc1.weight``, Fair Cast's canonical names), and a MoE expert's
+    global number after the key's last ``experts.``
+    (``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``, the key Megatron gives one
+    expert with ``singleton_local_shards``).
 
     Args:
         model: a model chunk, any wrapping (DDP, Float16Module), or this rank's list of chunks
@@ -70,7 +73,8 @@ def shards(model, local_of: Callable[[torch.nn.Parameter], torch.Tensor],
 
     Raises:
         ValueError: a param missing from the model's sharded_state_dict, ``local_of`` giving the
-            wrong shape, or (not stacked) an entry with more than one prepended axis (e.g. MoE experts).
+            wrong shape, or (not stacked) an entry with more prepended axes than the layer (and, in
+            a key with ``experts.``, the expert).
     """
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         yield from _chunk_shards(chunk, local_of, stacked)
@@ -93,9 +97,14 @@ def _chunk_shards(module, local_of, stacked: bool) -> Iterator[tuple]:
             if stacked:
                 name, offset, shape = key, sh.global_offset, (1,) * p + tuple(sh.data.shape)
             else:
-                if p not in (0, 1):
-                    raise ValueError(f"{key}: {p} prepended axes (expected 0, or 1 for the layer)")
-                name = _LAYERS.sub(rf"\g<1>layers.{sh.global_offset[0]}.", key, count=1) if p else key
+                name = key
+                if p == 2 and ".experts." in key:  # MoE experts: the expert number after the last "experts."
+                    at = key.rindex(".experts.") + len(".experts.")
+                    name = f"{key[:at]}{sh.global_offset[1]}.{key[at:]}"
+                elif p not in (0, 1):
+                    raise ValueError(f"{key}: {p} prepended axes (expected 0, 1 for the layer, or 2 for the "
+                                     "layer and the expert of MoE experts)")
+                name = _LAYERS.sub(rf"\g<1>layers.{sh.global_offset[0]}.", name, count=1) if p else name
                 offset, shape = sh.global_offset[p:], tuple(sh.data.shape)
             yield name, tuple(slice(o, o + n) for o, n in zip(offset, shape)), sh
 

@@ -16,7 +16,11 @@ From that, for every TP-local param:
   (``decoder.layers.3.self_attention.linear_qkv.weight``), leading ``module.`` removed. It is the
   same on every rank and layout; a PP stage's local ``layers.0`` gets its global number; the
   last stage's copy of tied embeddings is named ``embedding.word_embeddings.weight`` like the
-  first stage's (Megatron's checkpoint key for it), so both copies round identically.
+  first stage's (Megatron's checkpoint key for it), so both copies round identically. A MoE
+  expert's key has a second stacked axis, the global expert number, which goes after the key's
+  last ``experts.`` (``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: the key
+  Megatron gives one expert with ``singleton_local_shards``, SequentialMLP's and GroupedMLP's
+  alike), whichever EP rank holds it.
 * **global element index** of a local element = its row-major flat index in the full param
   (per layer, without the layer axis). Vocab padding rows sit at the end of dim 0, so real rows
   keep their indices whatever the padding.
@@ -38,6 +42,7 @@ from faircast_dist.shards import block_index, index_runs
 from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 
 _LAYERS = re.compile(r"(^|\.)layers\.")
+_EXPERTS = re.compile(r"(^|\.)experts\.(?!(.*\.)?experts\.)")  # the last "experts." segment: the expert axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +137,15 @@ def _strip(key: str) -> str:
 def canonical_name(sh: ShardedTensor) -> str:
     """Canonical param name of a model ShardedTensor (see the module docstring)."""
     key, p = _strip(sh.key), sh.prepend_axis_num
+    if p == 2 and _EXPERTS.search(key) and _LAYERS.search(key):  # MoE experts: the layer, then the expert axis
+        key = _EXPERTS.sub(lambda m: f"{m.group(0)}{sh.global_offset[1]}.", key, count=1)
+        p = 1
     if p == 0:
         return key
     if p == 1 and _LAYERS.search(key):
         return _LAYERS.sub(lambda m: f"{m.group(1)}layers.{sh.global_offset[0]}.", key, count=1)
-    # e.g. MoE experts (layer and expert axes): any fixed spelling of the offsets will do
+    # another stacking Fair Cast does not know: any fixed spelling of the offsets will do (such a param is never
+    # FP8, its name not ending in "weight", and served_weights refuses it)
     return f"{key}@{','.join(str(o) for o in sh.global_offset[:p])}"
 
 
@@ -238,7 +247,9 @@ def fused_rows(name: str, shape: Sequence[int], config) -> FusedRows | None:
     """How a fused param's rows map onto the checkpoint's tensors (for FP8 128x128 block scales, which are defined
     on those): Megatron's ``linear_qkv`` ``[G (q + 2) d, H]`` holds, per query group ``g``, its ``q`` query heads'
     rows, then its key head's, then its value head's (``q_proj``, ``k_proj``, ``v_proj`` rows ``g q d``, ``g d``,
-    ``g d``: ``SelfAttention.get_query_key_value_tensors`` in megatron/core/transformer/attention.py); a SwiGLU
+    ``g d``: ``SelfAttention.get_query_key_value_tensors`` in megatron/core/transformer/attention.py); a
+    cross-attention ``linear_kv`` ``[2 h d, H]`` holds, per head, its key rows then its value rows (``k_proj``,
+    ``v_proj``; ``CrossAttention.get_query_key_value_tensors``, which refuses grouped queries); a SwiGLU
     ``linear_fc1`` (``gated_linear_unit``) is ``[gate; up]``. Other params: None.
 
     Args:
@@ -249,7 +260,8 @@ def fused_rows(name: str, shape: Sequence[int], config) -> FusedRows | None:
 
     Raises:
         NotImplementedError: ``attention_output_gate`` (its ``linear_qkv`` holds gate rows too), or a
-            ``linear_qkv`` whose rows are not ``G (q + 2) d`` (named).
+            ``linear_qkv`` whose rows are not ``G (q + 2) d`` or a ``linear_kv`` whose rows are not ``2 h d``
+            (named).
     """
     if name.endswith("self_attention.linear_qkv.weight"):
         if getattr(config, "attention_output_gate", False):
@@ -261,6 +273,12 @@ def fused_rows(name: str, shape: Sequence[int], config) -> FusedRows | None:
                                       f"{groups} query groups x ({q} + 2) x {d} (another fused layout)")
         return FusedRows([piece for g in range(groups)
                           for piece in ((0, g * q * d, q * d), (1, g * d, d), (2, g * d, d))])
+    if name.endswith("cross_attention.linear_kv.weight"):
+        heads, d = config.num_attention_heads, config.kv_channels
+        if shape[0] != heads * 2 * d:
+            raise NotImplementedError(f"export_cast FP8 block scales: {name!r} has {shape[0]} rows, not "
+                                      f"{heads} heads x 2 x {d} (another fused layout)")
+        return FusedRows([piece for h in range(heads) for piece in ((0, h * d, d), (1, h * d, d))])
     if name.endswith("linear_fc1.weight") and config.gated_linear_unit:
         return FusedRows([(0, 0, shape[0] // 2), (1, 0, shape[0] // 2)])
     return None

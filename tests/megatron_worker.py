@@ -263,14 +263,15 @@ def snapshot(model, optimizer, ef: bool):
 
 def canonical(key: str, layer) -> str:
     """The canonical name of one param of a stacked checkpoint key: ``layer`` None (not stacked), the
-    global layer number, or the prepended indices (``(layer, expert)`` for MoE experts, spelt
-    ``<key>@<layer>,<expert>``)."""
+    global layer number, or the prepended indices (``(layer, expert)`` for MoE experts: the expert after the key's
+    last ``experts.``, as Megatron's per-expert checkpoint keys)."""
     index = () if layer is None else (layer,) if isinstance(layer, int) else tuple(layer)
+    if len(index) == 2:
+        head, _, tail = key.rpartition("experts.")
+        key = f"{head}experts.{index[1]}.{tail}"
     if len(index) == 0:
         return key
-    if len(index) == 1:
-        return re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{index[0]}.", key, count=1)
-    return f"{key}@{','.join(str(i) for i in index)}"
+    return re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{index[0]}.", key, count=1)
 
 
 def params_of(snap):

@@ -35,7 +35,7 @@ FP8 = {"error_feedback": {**EF, "format": "fp8"}, "dithered": {**DITHER, "format
        "block_dithered": {**DITHER, "format": "fp8", "fp8_scales": "block"}}
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
-CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef",
+CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef", "moe_fp8_ef",
                                                          "vpp_ef", "cp_ef", "stock", "fp8_error_feedback",
                                                          "fp8_dithered", "fp8_block_dithered")}
 
@@ -63,6 +63,8 @@ FP8_TELEMETRY = (2, 2, 1, False)  # FP8 drift telemetry: row-parallel channels s
 MOE_LAYOUTS = [(1, 1, 1, True, 1, 1), (1, 1, 2, True, 2, 1), (2, 1, 1, True, 2, 1), (2, 1, 2, True, 2, 1)]
 EXPERT_PARALLEL = {l[:4]: l[4:] for l in MOE_LAYOUTS}  # dense layout -> (EP, expert TP) of its launch
 MOE_TELEMETRY = (1, 1, 2, True, 2, 1)  # a Float16-optimizer MoE run with telemetry (EP 2: DP ranks hold other experts)
+MOE_SERVED = (2, 1, 2, True, 2, 1)  # served_weights of a MoE model (EP 2, TP 2)
+MOE_FP8 = ("error_feedback", "block_dithered")  # FP8 experts, on every MoE layout
 
 
 def layout_id(layout):
@@ -80,8 +82,13 @@ def _moe_jobs(layout):
     if layout == MOE_SAVED_BY:  # a checkpoint of the EP run, resumed in resume_run(1, 1, 2)
         jobs["moe_error_feedback_train"].update(steps=STEPS, save=CKPT["moe_ef"], save_after=SAVE_AFTER,
                                                sharding="dp_reshardable")
+        jobs["moe_fp8_ef"] = dict(base, export_cast=FP8["error_feedback"], steps=STEPS, save=CKPT["moe_fp8_ef"],
+                                  save_after=SAVE_AFTER, sharding="dp_reshardable")
     if layout == MOE_TELEMETRY:
         jobs["moe_telemetry"] = dict(base, export_cast=SR, distopt=False, steps=3, telemetry=65536)
+    if layout == MOE_SERVED:
+        jobs["moe_served_weights"] = dict(base, export_cast=DITHER, steps=2, served_weights=True)
+    jobs.update({f"moe_fp8_{m}_fixed": dict(base, export_cast=FP8[m], set_state=5, exports=2) for m in MOE_FP8})
     return jobs
 
 
@@ -182,7 +189,9 @@ RESUMES = {
                 "overlap_ef": _resume("overlap_ef", export_cast=EF, distopt=True, sharding="dp_reshardable",
                                       production=OVERLAP),
                 "moe_ef": _resume("moe_ef", export_cast=EF, distopt=True, sharding="dp_reshardable", moe={},
-                                  production={"sequence_parallel": False})},
+                                  production={"sequence_parallel": False}),
+                "moe_fp8_ef": _resume("moe_fp8_ef", export_cast=FP8["error_feedback"], distopt=True,
+                                      sharding="dp_reshardable", moe={}, production={"sequence_parallel": False})},
     (1, 1, 1): {"dp_ef_dp2_to_dp1": _resume("dp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable")},
     (2, 1, 1): {"full_ef": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable")},
     (1, 2, 1): {"f16_ef_dp2_to_pp2": _resume("f16_ef", export_cast=EF, distopt=False)},
@@ -201,7 +210,8 @@ MOE_SAVED_BY = (1, 1, 2, True, 2, 1)
 SAVED_BY = {"dp_ef": (1, 1, 2, True), "dp_sr": (1, 1, 2, True), "full_ef": (2, 1, 1, True),
             "fp8_error_feedback": (1, 1, 2, True), "fp8_dithered": (1, 1, 2, True),
             "fp8_block_dithered": (1, 1, 2, True),
-            "f16_ef": (1, 1, 2, False), "overlap_ef": (1, 1, 2, True), "moe_ef": MOE_SAVED_BY}
+            "f16_ef": (1, 1, 2, False), "overlap_ef": (1, 1, 2, True), "moe_ef": MOE_SAVED_BY,
+            "moe_fp8_ef": MOE_SAVED_BY}
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,19 +377,24 @@ def test_a_model_only_load_continues_the_export_step_from_megatron_lms_iteration
     assert record["export_steps"] == [5, 6] and record["mismatch"] == 0
 
 
-@pytest.mark.parametrize("layout", [params(l) for l in SERVED])
+@pytest.mark.parametrize("layout", [params(l) for l in [*SERVED, MOE_SERVED]])
 def test_served_weights_are_the_whole_served_model_under_checkpoint_names(layout):
     """megatron_patches.served_weights on every rank: each param once under its canonical name (global
-    layer numbers, the tied head as the embedding), the bits the model computes with (checked against
+    layer numbers, the tied head as the embedding; MoE experts under Megatron's per-expert keys with their
+    global expert numbers, whichever EP rank holds them), the bits the model computes with (checked against
     the gathered model, which the reference cast checked), with --overlap-param-gather's pending
     all-gather finished; served_deltas' first call (an empty tracker) yields every element."""
     from megatron_worker import params_of
-    record = layout_run(layout)["served_weights"]
+    record = layout_run(layout)["moe_served_weights" if layout == MOE_SERVED else "served_weights"]
     assert "error" not in record, record.get("error")
     assert record["mismatch"] == 0
     snap, served = record["snaps"][-1], record["served_weights"]
     want = {name: snap["served"][key][index] for key, name, index in params_of(snap)}
     assert sorted(served) == sorted(want)
+    if layout == MOE_SERVED:  # 2 layers of 4 experts
+        assert {n for n in served if ".experts.experts." in n} == {
+            f"decoder.layers.{layer}.mlp.experts.experts.{e}.{w}.weight"
+            for layer in range(4) for e in range(4) for w in ("linear_fc1", "linear_fc2")}
     for name, w in want.items():
         assert torch.equal(served[name].reshape(-1), w.reshape(-1).view(torch.int16)), name
     assert record["served_deltas"] == [(n, served[n].numel()) for n in sorted(served)]
@@ -609,6 +624,19 @@ def test_moe_expert_parallel_resume_equals_uninterrupted():
     _check_resume_is_uninterrupted(layout_run(MOE_SAVED_BY)["moe_error_feedback_train"], resume_run(1, 1, 2)["moe_ef"])
 
 
+def test_moe_fp8_resume_equals_uninterrupted():
+    """FP8 error feedback with experts at EP 2 (a ChainedOptimizer: the experts' FP8 scales, bits and residuals in
+    the expert leaf's state): saved after 2 steps and loaded, it serves the uninterrupted run's FP8 bytes and
+    scales at the load and after steps 3 and 4. (Loading at another EP size fails in Megatron's own optimizer
+    state: its leaves change.)"""
+    straight = layout_run(MOE_SAVED_BY)["moe_fp8_ef"]
+    resumed = resume_run(1, 1, 2)["moe_fp8_ef"]
+    _check_resume_is_uninterrupted(straight, resumed)
+    assert any(".experts.experts." in n for n in resumed["fp8"][0]["served"])
+    for k, snap in enumerate(resumed["fp8"]):
+        assert_same(snap["served"], straight["fp8"][SAVE_AFTER + k]["served"], f"FP8 at step {SAVE_AFTER + k}")
+
+
 # -- drift telemetry (megatron_patches.telemetry) ----------------------------------------------------
 def whole_model_drift(snaps, sample, start):
     """The telemetry of one DriftSample fed the gathered whole model at each step (canonical names),
@@ -731,6 +759,22 @@ def test_fp8_served_weights_are_the_single_process_reference(name, layout):
     assert not any("embedding" in n or "output_layer" in n or "norm" in n for n in names)
 
 
+@pytest.mark.parametrize("layout", [params(l) for l in MOE_LAYOUTS])
+@pytest.mark.parametrize("name", MOE_FP8)
+def test_moe_experts_are_served_as_fp8_at_every_expert_parallel_size(name, layout):
+    """MoE experts are linear weights of the MLP, so they are served as FP8 (the router stays bf16): under their
+    per-expert checkpoint names, each expert's FP8 bytes and scales (block scales: those of its gate and up
+    tensors) are the spec cast of its gathered master, whichever EP / TP rank holds it."""
+    record = layout_run(layout)[f"moe_fp8_{name}_fixed"]
+    _fp8_check(record, name)
+    assert record["mismatch"] == 0
+    scale = "weight_scale_inv" if FP8[name].get("fp8_scales") == "block" else "weight_scale"
+    names = set(record["fp8"][0]["served"])
+    assert {f"decoder.layers.{layer}.mlp.experts.experts.{e}.{w}.{s}" for layer in range(4) for e in range(4)
+            for w in ("linear_fc1", "linear_fc2") for s in ("weight", scale)} <= names
+    assert not any("router" in n for n in names)
+
+
 def test_fused_rows_are_the_checkpoints_tensors_for_grouped_query_attention():
     """``fused_rows`` of a GQA ``linear_qkv`` (8 heads in 2 query groups of 40) and a SwiGLU ``fc1``: the stack rows
     it gives each fused row are where the tests' reshape (``helpers.checkpoint_parts``) puts them; a layout it does
@@ -752,6 +796,14 @@ def test_fused_rows_are_the_checkpoints_tensors_for_grouped_query_attention():
                       types.SimpleNamespace(**{**vars(config), "gated_linear_unit": False})) is None
     with pytest.raises(NotImplementedError, match="'decoder.layers.1.self_attention.linear_qkv.weight' has 400 rows"):
         fused_rows("decoder.layers.1.self_attention.linear_qkv.weight", (400, 320), config)
+    # cross-attention linear_kv: per head its key rows, then its value rows (8 heads of 40)
+    kv = torch.arange(2 * 8 * 40, dtype=torch.float64)[:, None] + 1
+    per_head = kv.reshape(8, 2, 40, 1)
+    f = fused_rows("decoder.layers.1.cross_attention.linear_kv.weight", (640, 7), config)
+    stack = block_stack([per_head[:, 0].reshape(-1, 1), per_head[:, 1].reshape(-1, 1)])
+    assert f.stack_rows() == stack.shape[0] == 2 * 384 and torch.equal(stack[f.stack_row_of(), 0], kv[:, 0])
+    with pytest.raises(NotImplementedError, match="'decoder.layers.1.cross_attention.linear_kv.weight' has 600 rows"):
+        fused_rows("decoder.layers.1.cross_attention.linear_kv.weight", (600, 7), config)
     gated = types.SimpleNamespace(**vars(config), attention_output_gate=True)
     with pytest.raises(NotImplementedError, match="attention_output_gate"):
         fused_rows("decoder.layers.1.self_attention.linear_qkv.weight", (480, 320), gated)
