@@ -86,6 +86,8 @@ def _moe_jobs(layout):
                                   save_after=SAVE_AFTER, sharding="dp_reshardable")
     if layout == MOE_TELEMETRY:
         jobs["moe_telemetry"] = dict(base, export_cast=SR, distopt=False, steps=3, telemetry=65536)
+        jobs["moe_fp8_block_dithered_telemetry"] = dict(base, export_cast=FP8["block_dithered"], distopt=False, steps=3,
+                                                        telemetry=300)
     if layout == MOE_SERVED:
         jobs["moe_served_weights"] = dict(base, export_cast=DITHER, steps=2, served_weights=True)
     jobs.update({f"moe_fp8_{m}_fixed": dict(base, export_cast=FP8[m], set_state=5, exports=2) for m in MOE_FP8})
@@ -693,17 +695,19 @@ def test_megatron_lm_logs_drift_at_tensorboard_log_interval_to_tensorboard_and_w
     assert records["lm_flag_off"]["installed"] == ["DistributedOptimizer"]  # Fair Cast itself stays on
 
 
-@pytest.mark.parametrize("name", ["dithered", "block_dithered"])
-def test_fp8_drift_telemetry_equals_the_gathered_model(name):
-    """``export-cast/fp8-*`` (TP 2, PP 2, Float16): the FP8 copy's changed fraction, lag and gap are those of one FP8
-    DriftSample fed the gathered FP8 model, its scales and the masters from the install-time cast on; the
-    rescales are the reference's. Block scales: measured on the stack of the checkpoint's tensors."""
+@pytest.mark.parametrize("name, layout", [("dithered", FP8_TELEMETRY), ("block_dithered", FP8_TELEMETRY),
+                                          ("block_dithered", MOE_TELEMETRY)], ids=["dithered", "block_dithered", "moe"])
+def test_fp8_drift_telemetry_equals_the_gathered_model(name, layout):
+    """``export-cast/fp8-*`` (TP 2, PP 2, Float16; and MoE at EP 2, DP 2, Float16: DP ranks hold other experts): the
+    FP8 copy's changed fraction, lag and gap are those of one FP8 DriftSample fed the gathered FP8 model, its scales
+    and the masters from the install-time cast on; the rescales are the reference's. Block scales: measured on the
+    stack of the checkpoint's tensors."""
     import types
     from faircast_dist import ExportCastConfig, FairCaster
     from faircast_dist.fp8 import Fp8Export
     from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
     from megatron_patches.layout import fused_rows
-    record = layout_run(FP8_TELEMETRY)[f"fp8_{name}_telemetry"]
+    record = layout_run(layout)[f"{'moe_' if len(layout) > 4 else ''}fp8_{name}_telemetry"]
     assert "error" not in record, record.get("error")
     snaps = record["fp8"]  # the install-time export, then one per step
     first = snaps[0]["masters"]
