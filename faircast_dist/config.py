@@ -48,9 +48,10 @@ RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FORMATS = ("bf16", "fp8")
 FP8_SCALES = ("channel", "block")
 #: the params kept bf16 under ``format: "fp8"`` (a regex searched in the param name), as the RL stacks do: embeddings,
-#: the LM head, norms and MoE routers (HF ``mlp.gate``, Megatron ``router``); biases and other 1-D/3-D params are not
+#: the LM head, norms, MoE routers (HF ``mlp.gate``, Megatron ``router``) and shared-expert gates (HF
+#: ``shared_expert_gate``, Megatron ``shared_experts.gate_weight`` [1, H]); biases and other 1-D/3-D params are not
 #: 2-D linear weights and stay bf16 anyway
-FP8_EXCLUDE = r"embed|lm_head|output_layer|norm|router|(^|\.)gate\.weight$|shared_expert_gate"
+FP8_EXCLUDE = r"embed|lm_head|output_layer|norm|router|(^|\.)gate\.weight$|shared_expert_gate|(^|\.)gate_weight$"
 
 
 class ConfigError(ValueError):

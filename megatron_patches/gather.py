@@ -33,7 +33,7 @@ from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 __all__ = ["gather_full", "local_masters", "shards", "is_main_replica"]
 
 _MODULE = re.compile(r"^(module\.)+")
-_LAYERS = re.compile(r"(^|\.)layers\.")
+_LAYERS = re.compile(r"(^|\.)layers\.(?!\d+\.)")  # stacked layers (non-homogeneous ones are numbered in the key)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -97,14 +97,15 @@ def _chunk_shards(module, local_of, stacked: bool) -> Iterator[tuple]:
             if stacked:
                 name, offset, shape = key, sh.global_offset, (1,) * p + tuple(sh.data.shape)
             else:
-                name = key
-                if p == 2 and ".experts." in key:  # MoE experts: the expert number after the last "experts."
-                    at = key.rindex(".experts.") + len(".experts.")
-                    name = f"{key[:at]}{sh.global_offset[1]}.{key[at:]}"
-                elif p not in (0, 1):
-                    raise ValueError(f"{key}: {p} prepended axes (expected 0, 1 for the layer, or 2 for the "
-                                     "layer and the expert of MoE experts)")
-                name = _LAYERS.sub(rf"\g<1>layers.{sh.global_offset[0]}.", name, count=1) if p else name
+                name, axes = key, list(sh.global_offset[:p])  # the layer's axis, then a MoE expert's
+                if axes and _LAYERS.search(name):
+                    name = _LAYERS.sub(rf"\g<1>layers.{axes.pop(0)}.", name, count=1)
+                if axes and ".experts." in name:  # the expert number after the last "experts."
+                    at = name.rindex(".experts.") + len(".experts.")
+                    name = f"{name[:at]}{axes.pop(0)}.{name[at:]}"
+                if axes:
+                    raise ValueError(f"{key}: {p} prepended axes (expected the layer's, where the key's "
+                                     "'layers.' has no number, and a MoE expert's)")
                 offset, shape = sh.global_offset[p:], tuple(sh.data.shape)
             yield name, tuple(slice(o, o + n) for o, n in zip(offset, shape)), sh
 

@@ -41,7 +41,7 @@ from faircast_dist.fp8 import FusedRows
 from faircast_dist.shards import block_index, index_runs
 from megatron_patches.compat import ShardedTensor, ShardedTensorFactory
 
-_LAYERS = re.compile(r"(^|\.)layers\.")
+_LAYERS = re.compile(r"(^|\.)layers\.(?!\d+\.)")  # "layers." without its number: the layers are stacked
 _EXPERTS = re.compile(r"(^|\.)experts\.(?!(.*\.)?experts\.)")  # the last "experts." segment: the expert axis
 
 
@@ -136,17 +136,18 @@ def _strip(key: str) -> str:
 
 def canonical_name(sh: ShardedTensor) -> str:
     """Canonical param name of a model ShardedTensor (see the module docstring)."""
-    key, p = _strip(sh.key), sh.prepend_axis_num
-    if p == 2 and _EXPERTS.search(key) and _LAYERS.search(key):  # MoE experts: the layer, then the expert axis
-        key = _EXPERTS.sub(lambda m: f"{m.group(0)}{sh.global_offset[1]}.", key, count=1)
-        p = 1
-    if p == 0:
-        return key
-    if p == 1 and _LAYERS.search(key):
-        return _LAYERS.sub(lambda m: f"{m.group(1)}layers.{sh.global_offset[0]}.", key, count=1)
+    key, axes = _strip(sh.key), list(sh.global_offset[:sh.prepend_axis_num])
+    # the prepended axes, in order: the layer's where the key has "layers." without a number (stacked layers;
+    # non-homogeneous ones, e.g. a moe_layer_freq list, and MTP layers are numbered in the key), then the expert's
+    if axes and _LAYERS.search(key):
+        layer = axes.pop(0)
+        key = _LAYERS.sub(lambda m: f"{m.group(1)}layers.{layer}.", key, count=1)
+    if axes and _EXPERTS.search(key):
+        expert = axes.pop(0)
+        key = _EXPERTS.sub(lambda m: f"{m.group(0)}{expert}.", key, count=1)
     # another stacking Fair Cast does not know: any fixed spelling of the offsets will do (such a param is never
     # FP8, its name not ending in "weight", and served_weights refuses it)
-    return f"{key}@{','.join(str(o) for o in sh.global_offset[:p])}"
+    return f"{key}@{','.join(str(o) for o in axes)}" if axes else key
 
 
 def _flat_start(param: torch.Tensor, part: torch.Tensor) -> int:

@@ -465,7 +465,7 @@ class MegatronExport:
         checkpoint without them, scales set afresh (warned); then the FP8 copy of the loaded masters is cast at
         the last export's step, except for a kept error-feedback state (whose bits are the saved ones)."""
         fp8 = self.state.fp8
-        if fp8 is None:
+        if fp8 is None or not fp8.shapes:  # (e.g. the expert leaf with the experts left bf16: nothing to load)
             return
         self.state.fp8_shards(self._operands(self.shards(), check=False))  # the buffers exist
         scales = state.get("fp8_scales")

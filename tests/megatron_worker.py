@@ -265,13 +265,13 @@ def canonical(key: str, layer) -> str:
     """The canonical name of one param of a stacked checkpoint key: ``layer`` None (not stacked), the
     global layer number, or the prepended indices (``(layer, expert)`` for MoE experts: the expert after the key's
     last ``experts.``, as Megatron's per-expert checkpoint keys)."""
-    index = () if layer is None else (layer,) if isinstance(layer, int) else tuple(layer)
-    if len(index) == 2:
+    index = [] if layer is None else [layer] if isinstance(layer, int) else list(layer)
+    if index and re.search(r"(^|\.)layers\.(?!\d)", key):  # stacked layers (else numbered in the key)
+        key = re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{index.pop(0)}.", key, count=1)
+    if index:
         head, _, tail = key.rpartition("experts.")
-        key = f"{head}experts.{index[1]}.{tail}"
-    if len(index) == 0:
-        return key
-    return re.sub(r"(^|\.)layers\.", rf"\g<1>layers.{index[0]}.", key, count=1)
+        key = f"{head}experts.{index.pop(0)}.{tail}"
+    return key
 
 
 def params_of(snap):

@@ -91,6 +91,9 @@ def _moe_jobs(layout):
     if layout == MOE_SERVED:
         jobs["moe_served_weights"] = dict(base, export_cast=DITHER, steps=2, served_weights=True)
     jobs.update({f"moe_fp8_{m}_fixed": dict(base, export_cast=FP8[m], set_state=5, exports=2) for m in MOE_FP8})
+    if layout == MOE_SAVED_BY:  # non-homogeneous layers (a moe_layer_freq list): Megatron numbers them in the key
+        jobs["moe_fp8_listed_fixed"] = dict(base, moe={"moe_layer_freq": [1, 1, 1, 1]}, export_cast=FP8["block_dithered"],
+                                            set_state=5, exports=2)
     return jobs
 
 
@@ -193,7 +196,13 @@ RESUMES = {
                 "moe_ef": _resume("moe_ef", export_cast=EF, distopt=True, sharding="dp_reshardable", moe={},
                                   production={"sequence_parallel": False}),
                 "moe_fp8_ef": _resume("moe_fp8_ef", export_cast=FP8["error_feedback"], distopt=True,
-                                      sharding="dp_reshardable", moe={}, production={"sequence_parallel": False})},
+                                      sharding="dp_reshardable", moe={}, production={"sequence_parallel": False}),
+                # the experts left bf16 (as a checkpoint from before experts were FP8 must be loaded): the expert
+                # leaf has no FP8 param
+                "moe_fp8_ef_experts_bf16": _resume("moe_fp8_ef", export_cast={**FP8["error_feedback"], "fp8_exclude":
+                                                   "experts|embed|output_layer|norm|router"}, distopt=True,
+                                                   sharding="dp_reshardable", moe={},
+                                                   production={"sequence_parallel": False})},
     (1, 1, 1): {"dp_ef_dp2_to_dp1": _resume("dp_ef", export_cast=EF, distopt=True, sharding="dp_reshardable")},
     (2, 1, 1): {"full_ef": _resume("full_ef", export_cast=EF, distopt=True, sharding="fully_reshardable")},
     (1, 2, 1): {"f16_ef_dp2_to_pp2": _resume("f16_ef", export_cast=EF, distopt=False)},
@@ -637,6 +646,14 @@ def test_moe_fp8_resume_equals_uninterrupted():
     assert any(".experts.experts." in n for n in resumed["fp8"][0]["served"])
     for k, snap in enumerate(resumed["fp8"]):
         assert_same(snap["served"], straight["fp8"][SAVE_AFTER + k]["served"], f"FP8 at step {SAVE_AFTER + k}")
+    # loaded with the experts left bf16: the attention weights' FP8 state is the checkpoint's, and the expert leaf,
+    # which now holds no FP8 param, does not claim the checkpoint lacks FP8 state
+    bf16_experts = resume_run(1, 1, 2)["moe_fp8_ef_experts_bf16"]
+    assert "error" not in bf16_experts, bf16_experts.get("error")
+    assert not [w for w in bf16_experts["warnings"] if "FP8" in w], bf16_experts["warnings"]
+    loaded, saved = bf16_experts["fp8"][0]["served"], straight["fp8"][SAVE_AFTER]["served"]
+    assert loaded and not any(".experts." in n for n in loaded)
+    assert_same(loaded, {n: saved[n] for n in loaded}, "loaded with the experts bf16")
 
 
 # -- drift telemetry (megatron_patches.telemetry) ----------------------------------------------------
@@ -777,6 +794,13 @@ def test_moe_experts_are_served_as_fp8_at_every_expert_parallel_size(name, layou
     assert {f"decoder.layers.{layer}.mlp.experts.experts.{e}.{w}.{s}" for layer in range(4) for e in range(4)
             for w in ("linear_fc1", "linear_fc2") for s in ("weight", scale)} <= names
     assert not any("router" in n for n in names)
+    if layout == MOE_SAVED_BY and name == "block_dithered":  # the same names when Megatron numbers the layers
+        listed = layout_run(layout)["moe_fp8_listed_fixed"]    # in its keys (its set_state masters differ)
+        _fp8_check(listed, name)
+        assert listed["mismatch"] == 0
+        assert [sorted(s["served"]) for s in listed["fp8"]] == [sorted(s["served"]) for s in record["fp8"]]
+        assert torch.equal(listed["fp8"][0]["served"][f"decoder.layers.3.mlp.experts.experts.2.linear_fc1.{scale}"],
+                           record["fp8"][0]["served"][f"decoder.layers.3.mlp.experts.experts.2.linear_fc1.{scale}"])
 
 
 def test_fused_rows_are_the_checkpoints_tensors_for_grouped_query_attention():
