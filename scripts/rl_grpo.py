@@ -148,6 +148,9 @@ def parse_args(argv=None):
     p.add_argument("--lag-sample", type=int, default=65536, help="elements sampled for lag_steps / gap_ulps")
     p.add_argument("--out-dir", default="runs/rl",
                    help="where steps.csv, summary.{csv,md}, curves.png and args.json (the settings) go")
+    p.add_argument("--fp8-ue8m0", action="store_true",
+                   help="the fp8_* arms' scales are powers of two (export_cast fp8_ue8m0: a channel's maximum may grow "
+                        "up to 2x before its scale is set again, so rescales are rare) [default: plain scales]")
     p.add_argument("--save-masters", action="store_true",
                    help="save each arm's final fp32 master weights, as scored: OUT_DIR/pair_SEED/masters_ARM.safetensors")
     p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
@@ -402,6 +405,13 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- one arm of one pair
+def arm_export_cast(arm: str, seed: int, args) -> dict:
+    """The ``export_cast`` config of a cast arm (:func:`export_cast_config`); with ``--fp8-ue8m0`` the ``fp8_*``
+    arms' scales are powers of two."""
+    config = export_cast_config(arm, seed)
+    return {**config, "fp8_ue8m0": True} if args.fp8_ue8m0 and arm in FP8_ARMS else config
+
+
 def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eval_set, masters: RolloutEngine,
             first=None, bar=None) -> list[dict]:
     """Train one arm for ``args.steps`` GRPO steps from ``init_model`` (fp32, left unchanged), sampling with
@@ -437,7 +447,7 @@ def run_arm(args, task, init_model, rollout, arm: str, seed: int, train_set, eva
     if arm == ORACLE:  # stock DeepSpeed, fp32 params: the model computes with (and serves) the masters
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     else:
-        config["export_cast"] = export_cast_config(arm, seed)
+        config["export_cast"] = arm_export_cast(arm, seed, args)
         engine, *_ = deepspeed_hooks.initialize(model=model, model_parameters=model.parameters(), config=config)
     from faircast_dist.delta import DeltaTracker
     # the first delta sync sends every element; deltas are of bf16 bits (the oracle syncs full)
@@ -741,7 +751,10 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
                 rows = list(csv.DictReader(f))
         except (FileNotFoundError, NotADirectoryError) as err:  # a file, say, from a glob over a merged folder
             raise SystemExit(f"--merge {d}: not a finished run's folder ({err.filename} is missing)")
-        fixed = {k: v for k, v in saved.items() if k not in MERGE_FREE}
+        # a setting added after a folder was run is read as its default there
+        fixed = {**{k: v for k, v in vars(parse_args([])).items() if k not in saved},
+                 **{k: v for k, v in saved.items() if k not in MERGE_FREE}}
+        fixed = {k: v for k, v in fixed.items() if k not in MERGE_FREE}
         if settings is None:
             settings, first, first_fixed = saved, d, fixed  # the first folder's, free settings included
         for k in sorted(set(first_fixed) | set(fixed)):

@@ -69,6 +69,14 @@ def test_fp8_arms_are_compared_with_fp8_nearest_on_the_pairs_that_ran_them():
         stats.compare_formats({**scores, 4: {"nearest": 1.0, "fp8_dithered": 2.0}}, 1.0, "fp32")
 
 
+def test_fp8_ue8m0_gives_the_fp8_arms_power_of_two_scales():
+    from faircast_dist import ExportCastConfig
+    on, off = rl_grpo.parse_args(["--fp8-ue8m0"]), rl_grpo.parse_args([])
+    assert ExportCastConfig.from_value(rl_grpo.arm_export_cast("fp8_dithered", 3, on)).fp8_ue8m0
+    assert not ExportCastConfig.from_value(rl_grpo.arm_export_cast("fp8_dithered", 3, off)).fp8_ue8m0
+    assert "fp8_ue8m0" not in rl_grpo.arm_export_cast("dithered", 3, on)  # bf16 arms: no FP8 setting
+
+
 def test_default_arms_follow_the_engine_and_fp8_arms_need_their_baseline(tmp_path):
     """FP8 arms by default only where vLLM serves them; an FP8 arm without fp8_nearest is refused at launch and
     in a merge (a committed pair folder with fp8_nearest's rows removed)."""
@@ -549,6 +557,17 @@ def test_merge_summarizes_launches_as_one_run_and_refuses_mixed_settings(tmp_pat
     (other / "args.json").write_text(json.dumps({**saved, "world": 3}))
     with pytest.raises(SystemExit, match="ran with world=3, .* with 2"):
         rl_grpo.load_runs([str(hf), str(other)])
+    # a folder from before a setting existed (no fp8_ue8m0 in its args.json) ran with its default
+    assert saved["fp8_ue8m0"] is False
+    header = (hf / "steps.csv").read_text().splitlines()[0] + "\n"  # (no pairs: none run twice)
+    for name, value in (("before_ue8m0", None), ("ue8m0", True)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "steps.csv").write_text(header)
+        (tmp_path / name / "args.json").write_text(json.dumps(
+            {k: v for k, v in {**saved, "fp8_ue8m0": value}.items() if v is not None}))
+    rl_grpo.load_runs([str(hf), str(tmp_path / "before_ue8m0")])
+    with pytest.raises(SystemExit, match="ran with fp8_ue8m0=True, .* with False"):
+        rl_grpo.load_runs([str(hf), str(tmp_path / "ue8m0")])
     with pytest.raises(SystemExit, match="is one of the folders merged"):
         rl_grpo.main(["--merge", str(hf / "pair_0"), "--out-dir", str(hf / "pair_0")])
     old = tmp_path / "before_master_scoring"  # a run from before masters were scored: no master columns
