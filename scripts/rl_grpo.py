@@ -742,7 +742,7 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
             between folders, a pair seed run in two folders, or a pair that ran an arm without its baseline
             (:func:`rl.stats.baseline_of`).
     """
-    records, settings, seen = [], None, {}
+    records, settings, seen, defaults = [], None, {}, vars(parse_args([]))
     for i, d in enumerate(dirs):
         try:
             with open(os.path.join(d, "args.json")) as f:
@@ -751,10 +751,8 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
                 rows = list(csv.DictReader(f))
         except (FileNotFoundError, NotADirectoryError) as err:  # a file, say, from a glob over a merged folder
             raise SystemExit(f"--merge {d}: not a finished run's folder ({err.filename} is missing)")
-        # a setting added after a folder was run is read as its default there
-        fixed = {**{k: v for k, v in vars(parse_args([])).items() if k not in saved},
-                 **{k: v for k, v in saved.items() if k not in MERGE_FREE}}
-        fixed = {k: v for k, v in fixed.items() if k not in MERGE_FREE}
+        # (a setting added after a folder was run is read as its default there)
+        fixed = {k: v for k, v in {**defaults, **saved}.items() if k not in MERGE_FREE}
         if settings is None:
             settings, first, first_fixed = saved, d, fixed  # the first folder's, free settings included
         for k in sorted(set(first_fixed) | set(fixed)):
