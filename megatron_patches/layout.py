@@ -17,10 +17,11 @@ From that, for every TP-local param:
   same on every rank and layout; a PP stage's local ``layers.0`` gets its global number; the
   last stage's copy of tied embeddings is named ``embedding.word_embeddings.weight`` like the
   first stage's (Megatron's checkpoint key for it), so both copies round identically. A MoE
-  expert's key has a second stacked axis (its only one where Megatron numbers the layer in the key:
-  non-homogeneous layers, MTP), the global expert number, which goes after the key's last ``experts.`` (``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: the key
-  Megatron gives one expert with ``singleton_local_shards``, SequentialMLP's and GroupedMLP's
-  alike), whichever EP rank holds it.
+  expert's key has a second stacked axis (its only one where Megatron numbers the layer in the
+  key: non-homogeneous layers, MTP), the global expert number, which goes after the key's last
+  ``experts.`` (``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight``: the key Megatron
+  gives one expert with ``singleton_local_shards``, SequentialMLP's and GroupedMLP's alike),
+  whichever EP rank holds it.
 * **global element index** of a local element = its row-major flat index in the full param
   (per layer, without the layer axis). Vocab padding rows sit at the end of dim 0, so real rows
   keep their indices whatever the padding.

@@ -17,7 +17,8 @@ def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     order, on every rank: exactly the bits the model computes with after the optimizer step.
 
     Names are the model's checkpoint keys with global layer numbers (``decoder.layers.<layer>.<rest>``; a MoE
-    expert with its global expert number after the last ``experts.``, ``...mlp.experts.experts.<expert>.linear_fc1.weight``;
+    expert with its global expert number after the last ``experts.``,
+    ``...mlp.experts.experts.<expert>.linear_fc1.weight``;
     the tied output weight is served once, as ``embedding.word_embeddings.weight``; SwiGLU ``fc1`` as
     the full ``[gate; up]`` param), each element from its main copy (:func:`megatron_patches.gather.gather_full`).
     With ``--overlap-param-gather`` the param all-gather the next forward would finish is finished

@@ -65,7 +65,8 @@ def test_fp8_format_settings_are_checked_and_named():
              "model.layers.0.mlp.gate.weight": False, "model.layers.0.mlp.gate_proj.weight": True,
              "decoder.layers.0.self_attention.linear_qkv.weight": True, "output_layer.weight": False,
              "decoder.layers.0.mlp.router.weight": False, "model.layers.0.self_attn.q_proj.bias": False,
-             "model.layers.0.mlp.shared_expert_gate.weight": False, "decoder.layers.0.mlp.shared_experts.gate_weight": False,
+             "model.layers.0.mlp.shared_expert_gate.weight": False,
+             "decoder.layers.0.mlp.shared_experts.gate_weight": False,
              "decoder.layers.0.mlp.experts.experts.3.linear_fc1.weight": True,
              "decoder.layers.0.mlp.shared_experts.linear_fc1.weight": True}
     assert {n: fp8_param(fp8, n, (8, 8) if n.endswith("weight") else (8,)) for n in names} == names

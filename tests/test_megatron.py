@@ -35,8 +35,8 @@ FP8 = {"error_feedback": {**EF, "format": "fp8"}, "dithered": {**DITHER, "format
        "block_dithered": {**DITHER, "format": "fp8", "fp8_scales": "block"}}
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
-CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef", "moe_fp8_ef",
-                                                         "vpp_ef", "cp_ef", "stock", "fp8_error_feedback",
+CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef",
+                                                         "moe_fp8_ef", "vpp_ef", "cp_ef", "stock", "fp8_error_feedback",
                                                          "fp8_dithered", "fp8_block_dithered")}
 
 # (TP, PP, DP, DistributedOptimizer)
@@ -92,8 +92,8 @@ def _moe_jobs(layout):
         jobs["moe_served_weights"] = dict(base, export_cast=DITHER, steps=2, served_weights=True)
     jobs.update({f"moe_fp8_{m}_fixed": dict(base, export_cast=FP8[m], set_state=5, exports=2) for m in MOE_FP8})
     if layout == MOE_SAVED_BY:  # non-homogeneous layers (a moe_layer_freq list): Megatron numbers them in the key
-        jobs["moe_fp8_listed_fixed"] = dict(base, moe={"moe_layer_freq": [1, 1, 1, 1]}, export_cast=FP8["block_dithered"],
-                                            set_state=5, exports=2)
+        jobs["moe_fp8_listed_fixed"] = dict(base, moe={"moe_layer_freq": [1, 1, 1, 1]},
+                                            export_cast=FP8["block_dithered"], set_state=5, exports=2)
     return jobs
 
 
