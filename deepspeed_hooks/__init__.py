@@ -85,7 +85,8 @@ def install(engine, *, config=None) -> list[ExportState]:
         return []
     caster, optimizer = FairCaster(config), engine.optimizer
     path = compat.wrapper_path(optimizer)
-    export = {"zero12": zero12, "stage0": stage0, "zero3": stage3}[path].attach(optimizer, caster, engine.param_names)
+    attach = {"zero12": zero12, "stage0": stage0, "zero3": stage3}[path].attach
+    export = attach(optimizer, caster, engine.param_names, engine.module)
     wraps = export.wraps = Wraps()
     wraps.wrap(optimizer, "step", export.wrap_step)
     wraps.wrap(optimizer, "state_dict", export.wrap_state_dict)

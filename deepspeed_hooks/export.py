@@ -36,6 +36,7 @@ from deepspeed_hooks import compat
 from faircast_dist import FairCaster
 from faircast_dist.config import RESIDUAL_DTYPES, Method
 from faircast_dist.export import ExportState, Shard, warn
+from faircast_dist.fp8 import fused_experts
 from faircast_dist.telemetry import ExportObserver
 
 STEP_KEY = "export_cast_step"
@@ -105,6 +106,8 @@ class OptimizerExport:
         optimizer: the DeepSpeed optimizer wrapper (``engine.optimizer``).
         caster: the :class:`FairCaster` built from the ``export_cast`` config.
         param_names: ``{param: name}`` (``engine.param_names``).
+        model: the engine's module (``format "fp8"``: its transformers 5 fused experts are FP8 too,
+            :func:`faircast_dist.fp8.fused_experts`), or None.
 
     Attributes:
         state: the :class:`~faircast_dist.export.ExportState` (step, telemetry: a DriftMonitor when
@@ -115,10 +118,11 @@ class OptimizerExport:
     #: every rank holds full copies (stage 0): gathering needs no reduction
     replicated = False
 
-    def __init__(self, optimizer, caster: FairCaster, param_names: dict):
+    def __init__(self, optimizer, caster: FairCaster, param_names: dict, model=None):
         self.optimizer, self.param_names = optimizer, param_names
-        self.state = ExportState(caster, residuals=StateResiduals(optimizer.optimizer),
-                                 shapes={name: compat.full_shape(p) for p, name in param_names.items()})
+        shapes = {name: compat.full_shape(p) for p, name in param_names.items()}
+        fused = fused_experts(model, shapes) if model is not None and caster.config.fp8 else None
+        self.state = ExportState(caster, residuals=StateResiduals(optimizer.optimizer), shapes=shapes, fused=fused)
         self.in_step = False
         self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish() (empty: no export)
 

@@ -63,7 +63,7 @@ class Stage3Export(OptimizerExport):
         return load_and_restore
 
 
-def attach(optimizer, caster, param_names) -> Stage3Export:
+def attach(optimizer, caster, param_names, model=None) -> Stage3Export:
     """Fair Cast's export for a ``DeepSpeedZeroOptimizer_Stage3``.
 
     Raises:
@@ -71,4 +71,4 @@ def attach(optimizer, caster, param_names) -> Stage3Export:
     """
     if any(flat is None for flat in compat.zero3_groups(optimizer)[1]):
         raise NotImplementedError('"export_cast" mode "fair" does not support ZeRO-3 NVMe parameter swapping yet')
-    return Stage3Export(optimizer, caster, param_names)
+    return Stage3Export(optimizer, caster, param_names, model)

@@ -45,8 +45,8 @@ _EXPORTS: "weakref.WeakValueDictionary[int, FlatPartitionExport]" = weakref.Weak
 class FlatPartitionExport(OptimizerExport):
     """Flat partitioned groups of a ``DeepSpeedZeroOptimizer`` or ``BF16_Optimizer``."""
 
-    def __init__(self, optimizer, caster, param_names):
-        super().__init__(optimizer, caster, param_names)
+    def __init__(self, optimizer, caster, param_names, model=None):
+        super().__init__(optimizer, caster, param_names, model)
         self.lp_groups, self.lp_partitions, self.hp_partitions = compat.flat_partitions(optimizer)
 
     def dp_group(self, i):
@@ -123,7 +123,7 @@ def wrap_gather(original):
     return all_gather_dp_groups
 
 
-def attach(optimizer, caster, param_names) -> FlatPartitionExport:
+def attach(optimizer, caster, param_names, model=None) -> FlatPartitionExport:
     """Fair Cast's export for a ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, offload too) or ``BF16_Optimizer``.
 
     Raises:
@@ -135,4 +135,4 @@ def attach(optimizer, caster, param_names) -> FlatPartitionExport:
         raise NotImplementedError('"export_cast" mode "fair" does not support "zero_optimization": '
                                   '{"round_robin_gradients": true}: DeepSpeed\'s fragment mapping ignores the '
                                   "round-robin order of the flat buffer (it would key elements by the wrong param)")
-    return FlatPartitionExport(optimizer, caster, param_names)
+    return FlatPartitionExport(optimizer, caster, param_names, model)

@@ -27,6 +27,15 @@ coordinates, not its own (:class:`FusedRows`): it is cast as the **stack** of it
 padded with absent rows to a multiple of 128, so the stack's blocks are the checkpoint tensors' blocks one after
 another, and its global indices (the random bits' lanes) are the stack's. Channel scales need no such map (a
 row is a row).
+
+transformers 5's **fused MoE experts** (``...mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``...experts.down_proj``
+``[E, H, I]``: :func:`fused_experts`) are FP8 too: a 3-D param ``[E, N, K]`` is cast as its 2-D view ``[E*N, K]``, whose
+rows are each expert's checkpoint tensors (``experts.e.gate_proj.weight``, ``up_proj``, ``down_proj``) one after the
+other, so block scales sit on those tensors through :class:`FusedRows`. It is served under its own name with its
+scales shaped ``[E, ., .]`` beside it, as transformers 5 names an FP8 model's experts (``gate_up_proj_scale_inv``
+``[E, 2 ceil(I/128), ceil(H/128)]``; channel scales ``gate_up_proj_scale`` ``[E, 2I, 1]``); vLLM's fused-checkpoint
+expert map (``routed_experts.py: build_expert_params_mapping``, ``include_fused``) takes these names to
+``w13_weight`` / ``w13_weight_scale_inv``.
 """
 from __future__ import annotations
 
@@ -220,6 +229,48 @@ class FusedRows:
         return out
 
 
+def experts_rows(shape, parts: int) -> FusedRows:
+    """The :class:`FusedRows` of a fused experts param of ``shape`` ``[E, N, K]`` whose rows are, per expert,
+    ``parts`` checkpoint tensors of ``N / parts`` rows each (2: ``gate_up_proj``'s gate rows, then its up rows; 1:
+    ``down_proj``, ``up_proj``), in expert order (parts ``e * parts + j``).
+
+    Raises:
+        ValueError: ``shape`` is not 3-D, or ``N`` is not a multiple of ``parts``.
+    """
+    if len(shape) != 3 or shape[1] % parts:
+        raise ValueError(f"fused experts: shape {tuple(shape)} is not [E, N, K] with N a multiple of {parts}")
+    rows = shape[1] // parts
+    return FusedRows(tuple((e * parts + j, 0, rows) for e in range(shape[0]) for j in range(parts)))
+
+
+def fused_experts(model: torch.nn.Module, shapes: dict, rename=None) -> dict[str, FusedRows]:
+    """transformers 5's fused MoE experts among ``model``'s params: ``{param name: FusedRows}`` (:func:`experts_rows`),
+    for :class:`Fp8Export`'s ``fused``.
+
+    An experts module counts when transformers says how it holds its weights (``integrations/moe.py:
+    use_experts_implementation`` sets ``is_transposed``, ``is_concatenated``, ``has_gate``) and they are held as the
+    checkpoint's experts stacked: ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows; or ``up_proj``
+    ``[E, I, H]`` without a gate) and ``down_proj`` ``[E, H, I]``. Transposed experts (GPT-OSS's ``[E, H, 2I]``) and
+    interleaved gate/up rows are not, and stay bf16.
+
+    Args:
+        model: the root module.
+        shapes: ``{name: full shape}`` of the params (a partitioned param's full shape), by the adapter's names.
+        rename: the adapter's name of a ``model.named_parameters()`` name (default: the same).
+    """
+    out = {}
+    for prefix, mod in model.named_modules():
+        if getattr(mod, "is_transposed", True) is not False or getattr(mod, "is_concatenated", False) is not True:
+            continue
+        gated = bool(getattr(mod, "has_gate", True))
+        for leaf, parts in (("gate_up_proj", 2) if gated else ("up_proj", 1), ("down_proj", 1)):
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            name = rename(name) if rename else name
+            if name in shapes and len(shapes[name]) == 3 and shapes[name][1] % parts == 0:
+                out[name] = experts_rows(shapes[name], parts)
+    return out
+
+
 def element_scales(scales: torch.Tensor, scale_index: torch.Tensor) -> torch.Tensor:
     """Each element's scale (float32, shaped like ``scale_index``): what the FP8 casts of :mod:`.rounding`
     take."""
@@ -228,10 +279,14 @@ def element_scales(scales: torch.Tensor, scale_index: torch.Tensor) -> torch.Ten
 
 def fp8_param(config, name: str, shape) -> bool:
     """A param served as FP8 under ``config`` (an :class:`~faircast_dist.ExportCastConfig` with ``format "fp8"``):
-    a 2-D ``*weight`` whose name ``config.fp8_exclude`` does not match (the 2-D linear weights of attention and MLP;
-    embeddings, the LM head, norms and routers stay bf16 by default)."""
-    return (config.fp8 and len(shape) == 2 and name.endswith("weight")
-            and not (config.fp8_exclude and re.search(config.fp8_exclude, name)))
+    a 2-D ``*weight`` that :func:`fp8_excluded` does not keep bf16 (the 2-D linear weights of attention and MLP;
+    embeddings, the LM head, norms and routers stay bf16 by default). Fused experts: :class:`Fp8Export`'s ``fused``."""
+    return config.fp8 and len(shape) == 2 and name.endswith("weight") and not fp8_excluded(config, name)
+
+
+def fp8_excluded(config, name: str) -> bool:
+    """``config.fp8_exclude`` (a regex, searched) matches param ``name``: it stays bf16."""
+    return bool(config.fp8_exclude and re.search(config.fp8_exclude, name))
 
 
 class Fp8Export:
@@ -248,12 +303,15 @@ class Fp8Export:
             :meth:`export` together (the FP8 ones are picked by :func:`fp8_param`).
         fused: ``{param name: FusedRows}`` of params fused from checkpoint tensors; with ``fp8_scales "block"``
             each is cast as the stack of its checkpoint tensors (see the module docstring), and served in its own
-            row order with the stack's scales. Ignored with channel scales.
+            row order with the stack's scales. A 3-D param here (fused experts, :func:`fused_experts`) is FP8 unless
+            :func:`fp8_excluded`, with either scales.
 
     Attributes:
         layout: the :class:`Fp8Layout` (from ``fp8_scales`` / ``fp8_ue8m0``).
         shapes: ``{name: (N, K)}`` of the FP8 params as cast, in sorted name order (the order of every
-            collective); a fused param's ``N`` is its stack's (:meth:`FusedRows.stack_rows`).
+            collective); a fused param's ``N`` is its stack's (:meth:`FusedRows.stack_rows`); fused experts
+            ``[E, N, K]`` are cast as ``[E*N, K]``.
+        experts: ``{name: (E, N, K)}`` of the FP8 fused experts (served 3-D).
         fused: the ``fused`` params this layout casts as stacks (block scales), ``{name: FusedRows}``.
         scales: ``{name: float32 tensor of layout.scale_shape}``: the scales of the last export, the same on every
             rank (export state: checkpoint it, :meth:`load_scales`).
@@ -266,9 +324,13 @@ class Fp8Export:
         self.caster = caster
         config = caster.config
         self.layout = Fp8Layout("block" if config.fp8_scales == "block" else "channel", config.fp8_ue8m0)
-        self.shapes = {n: tuple(shapes[n]) for n in sorted(shapes) if fp8_param(config, n, tuple(shapes[n]))}
-        self.fused = {n: f for n, f in (fused or {}).items() if n in self.shapes} \
-            if self.layout.granularity == "block" else {}
+        fused = fused or {}
+        self.experts = {n: tuple(shapes[n]) for n in sorted(shapes) if len(shapes[n]) == 3 and n in fused
+                        and config.fp8 and not fp8_excluded(config, n)}
+        self.shapes = {n: (self.experts[n][0] * self.experts[n][1], self.experts[n][2]) if n in self.experts
+                       else tuple(shapes[n]) for n in sorted(shapes)
+                       if n in self.experts or fp8_param(config, n, tuple(shapes[n]))}
+        self.fused = {n: f for n, f in fused.items() if n in self.shapes} if self.layout.granularity == "block" else {}
         for name, f in self.fused.items():
             if f.rows != self.shapes[name][0]:
                 raise ValueError(f"export_cast FP8: {name!r} has {self.shapes[name][0]} rows, its fused checkpoint "
@@ -278,8 +340,11 @@ class Fp8Export:
         self.rescales = self.last_rescales = 0
 
     def scale_name(self, name: str) -> str:
-        """The checkpoint name of FP8 param ``name``'s scales (``...proj.weight`` -> ``...proj.weight_scale``)."""
-        return name[:-len("weight")] + self.layout.scale_name
+        """The checkpoint name of FP8 param ``name``'s scales (``...proj.weight`` -> ``...proj.weight_scale``; fused
+        experts: ``...experts.gate_up_proj`` -> ``...experts.gate_up_proj_scale``, transformers 5's)."""
+        if name.endswith("weight"):
+            return name[:-len("weight")] + self.layout.scale_name
+        return name + self.layout.scale_name[len("weight"):]
 
     def scale_offsets(self) -> dict[str, int]:
         """``{name: offset}`` of each FP8 param's scales in :meth:`flat_scales` (and in the absmax buffer)."""
@@ -361,7 +426,7 @@ class Fp8Export:
     @torch.no_grad()
     def full(self, shards, reduce_max) -> dict[str, torch.Tensor]:
         """The whole FP8 params: ``{name: float8_e4m3fn [N, K]}`` on the CPU, bit for bit what the ranks cast (a
-        fused param in its own row order).
+        fused param in its own row order; fused experts ``[E, N, K]``).
 
         Args:
             shards: as for :meth:`export`.
@@ -380,6 +445,8 @@ class Fp8Export:
                 for n, shape in self.shapes.items()}
         for name, f in self.fused.items():  # (uint8: indexing float8 is not implemented on every device)
             full[name] = full[name].view(torch.uint8)[f.stack_row_of()].view(torch.float8_e4m3fn)
+        for name, shape in self.experts.items():
+            full[name] = full[name].view(shape)
         return full
 
     def served(self, weights, full: dict[str, torch.Tensor]):
@@ -388,11 +455,14 @@ class Fp8Export:
         ``(name, float8_e4m3fn [N, K])`` and ``(scale name, float32 scales)`` (:meth:`scale_name`): the tensors
         of a compressed-tensors / DeepSeek FP8 checkpoint. A fused param (block scales) is served in its own row
         order with its stack's scales, ``[sum over parts of ceil(N_part / 128), ceil(K / 128)]``: each checkpoint
-        tensor's ``weight_scale_inv``, one after the other."""
+        tensor's ``weight_scale_inv``, one after the other. Fused experts ``[E, N, K]`` are served 3-D, their scales
+        ``[E, ., .]`` (``[E, N, 1]``; blocks: each expert's checkpoint tensors' ``weight_scale_inv`` in turn)."""
         for name, weight in weights:
             if name in full:
                 yield name, full[name]
-                yield self.scale_name(name), self.scales[name].cpu()
+                scales = self.scales[name].cpu()
+                yield self.scale_name(name), scales.view(self.experts[name][0], -1, scales.shape[1]) \
+                    if name in self.experts else scales
             else:
                 yield name, weight() if callable(weight) else weight
 

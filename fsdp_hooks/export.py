@@ -17,6 +17,7 @@ import torch
 
 from faircast_dist import FairCaster
 from faircast_dist.export import ExportState, Shard
+from faircast_dist.fp8 import fused_experts
 from faircast_dist.shards import block_index, index_runs
 from fsdp_hooks import compat
 
@@ -59,8 +60,10 @@ class FsdpExport:
         order = {id(p): (i, canonical_name(n)) for i, (n, p) in enumerate(model.named_parameters())}
         self.params = sorted(compat.fsdp_params(model), key=lambda fp: order[id(fp.sharded_param)][0])
         self.names = [order[id(fp.sharded_param)][1] for fp in self.params]
+        shapes = {n: tuple(fp.sharded_param.shape) for n, fp in zip(self.names, self.params)}
+        fused = fused_experts(model, shapes, canonical_name) if caster.config.fp8 else None
         self.state = ExportState(caster, replays=False,  # outs are Fair Cast's own: nothing overwrites them
-                                 shapes={n: tuple(fp.sharded_param.shape) for n, fp in zip(self.names, self.params)})
+                                 shapes=shapes, fused=fused)
         for name, fp in zip(self.names, self.params):
             if compat.padded_shard(fp).dtype != torch.float32:
                 raise TypeError(f"fsdp_hooks: param {name!r} is {compat.padded_shard(fp).dtype}: Fair Cast casts "

@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from helpers import launch, save_record
+from helpers import launch, save_record, tiny_moe
 
 
 def tiny_model() -> torch.nn.Module:
@@ -24,6 +24,11 @@ def tiny_model() -> torch.nn.Module:
 def batch(step: int):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(4, 13, generator=g), torch.randn(4, 5, generator=g)
+
+
+def moe_loss(engine, step: int) -> torch.Tensor:
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1000 + step)).to(engine.device)
+    return engine(input_ids=ids, labels=ids).loss.float()
 
 
 PATHS = ("stage0", "stage0_fused", "bf16_optimizer", "zero1", "zero2", "zero3", "offload2", "offload3")
@@ -95,6 +100,9 @@ def _worker(rank, world_size, port, opts, out_path):
     if cuda:  # one rank per GPU, NCCL
         torch.cuda.set_device(rank)
     import sys
+    if opts["moe"]:  # transformers' lazy imports must run before DeepSpeed patches tensor construction
+        import transformers
+        transformers.Qwen3MoeForCausalLM  # noqa: B018
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401  (the attribute deepspeed.comm.torch is torch itself)
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the JIT shm op build
@@ -115,7 +123,9 @@ def _worker(rank, world_size, port, opts, out_path):
         deepspeed_hooks.patch_deepspeed()
     init = deepspeed_hooks.initialize if opts["hook"] == "initialize" else deepspeed.initialize
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    if opts["path"] in ("zero3", "offload3"):
+    if opts["moe"]:  # (not under zero.Init: transformers initialises the experts after construction, in post_init)
+        model = tiny_moe()
+    elif opts["path"] in ("zero3", "offload3"):
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = tiny_model()
     else:
@@ -211,9 +221,11 @@ def _worker(rank, world_size, port, opts, out_path):
         if opts["offload_states"] and step == first + 1:  # OpenRLHF colocated: offload, rollout, reload
             engine.offload_states(pin_memory=False)
             engine.reload_states()
-        x, y = (t.to(device) for t in batch(step))
-        loss = torch.nn.functional.mse_loss(engine(x.to(next(engine.parameters()).dtype)).float(), y)
-        engine.backward(loss)
+        if opts["moe"]:
+            engine.backward(moe_loss(engine, step))
+        else:
+            x, y = (t.to(device) for t in batch(step))
+            engine.backward(torch.nn.functional.mse_loss(engine(x.to(next(engine.parameters()).dtype)).float(), y))
         if reference is not None:
             with torch.no_grad():
                 reference(x.to(torch.bfloat16))
@@ -261,7 +273,8 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
         monitor_sample: int | None = None, zero_extra: dict | None = None, save_final: bool = True,
         device: str = "cpu", uninstall: bool = False, reference: bool = False,
-        offload_states: bool = False, fused_adam: bool = False, module_only: bool = False) -> list[dict]:
+        offload_states: bool = False, fused_adam: bool = False, module_only: bool = False,
+        moe: bool = False) -> list[dict]:
     """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
 
     ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
@@ -278,13 +291,14 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
     ``offload_states``: ``engine.offload_states()`` then ``reload_states()`` before the second step
     (ZeRO-3 supports it with ``fused_adam``: DeepSpeed's FusedAdam instead of torch's AdamW).
     ``module_only``: load ``load_dir`` with ``load_module_only=True`` (the model, no optimizer state).
+    ``moe``: train a tiny transformers 5 Qwen3-MoE (``helpers.tiny_moe``) on token ids instead.
     """
     opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
                 save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
                 monitor_sample=monitor_sample, zero_extra=zero_extra, save_final=save_final, device=device,
                 uninstall=uninstall, reference=reference, offload_states=offload_states,
-                fused_adam=fused_adam, module_only=module_only)
+                fused_adam=fused_adam, module_only=module_only, moe=moe)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         launch(_worker, world_size, opts, out, reported=[f"{out}.{r}" for r in range(world_size)])

@@ -13,7 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from helpers import launch, save_record
+from helpers import launch, save_record, tiny_moe
 
 DIM = 13
 
@@ -50,16 +50,23 @@ def batch(step: int):
     return torch.randn(8, DIM, generator=g), torch.randn(8, 5, generator=g)
 
 
-def build(mesh_shape: tuple[int, ...], tp: bool = False, group: bool = False, ac: bool = False):
+def build(mesh_shape: tuple[int, ...], tp: bool = False, group: bool = False, ac: bool = False, moe: bool = False):
     """The model sharded on a mesh: ``(shard,)`` FSDP, ``(replicate, shard)`` HSDP, or with
     ``tp`` a ``(dp, tp)`` mesh: TP (colwise up, rowwise down) then FSDP over dp; ``group``: the last
     block and the head in one ``fully_shard([...])``; ``ac``: activation checkpointing wrappers around
-    the blocks (names gain ``_checkpoint_wrapped_module``)."""
+    the blocks (names gain ``_checkpoint_wrapped_module``); ``moe``: a tiny transformers 5 Qwen3-MoE
+    (``helpers.tiny_moe``) instead, each decoder layer and the root sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if moe:
+        model, mesh = tiny_moe(), init_device_mesh("cpu", mesh_shape)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        return model
     torch.manual_seed(0)
     model = Tiny()
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         model.blocks = torch.nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
@@ -97,7 +104,7 @@ def setup(job: dict):
     """Model, AdamW and install as the job says (``mesh``, ``tp``, ``export_cast``; ``install`` False: none)."""
     import fsdp_hooks
     model = build(tuple(job.get("mesh", (dist.get_world_size(),))), job.get("tp", False), job.get("group", False),
-                  job.get("ac", False))
+                  job.get("ac", False), job.get("moe", False))
     kind, lr = job.get("optimizer", "adamw"), job.get("lr", 1e-3)
     if kind == "data_sgd":  # updates p.data: bumps no version counter of the params
         optimizer = DataSGD(model.parameters(), lr=lr)

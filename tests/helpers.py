@@ -5,6 +5,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import re
 import socket
 
 import torch
@@ -204,4 +205,56 @@ def reference_fp8(config, snapshots, scales: dict | None = None) -> list[dict]:
             served[name] = q.view(shape)
             served[name[:-len("weight")] + layout.scale_name] = scales[name].clone()
         out.append(served)
+    return out
+
+
+def tiny_moe(intermediate: int = 40, hidden: int = 48, experts: int = 4):
+    """A tiny real transformers 5 Qwen3-MoE model (one layer, seeded): its experts are fused 3-D params
+    (``...mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``...mlp.experts.down_proj`` ``[E, H, I]``; I = 40 by default,
+    so a 128-row block of gate rows would reach into the up rows)."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64,
+                                      moe_intermediate_size=intermediate, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=16, num_experts=experts, num_experts_per_tok=2)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$")
+
+
+def expert_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each transformers 5 fused experts tensor (and FP8 scales beside it, ``[E, ., .]``) given as
+    its per-expert checkpoint tensors (``...experts.0.gate_proj.weight``, ``weight_scale``, ...), by reshaping: the
+    tests' own spelling, beside ``faircast_dist.fp8.experts_rows``. Any dtype (FP8 viewed as uint8 to cut)."""
+    out = {}
+    for name, w in tensors.items():
+        m = EXPERTS.match(name)
+        if m is None:
+            out[name] = w
+            continue
+        base, leaf, scale = m.groups()
+        pieces = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else (leaf,)
+        u = w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+        for e in range(u.shape[0]):
+            for piece, t in zip(pieces, u[e].chunk(len(pieces))):
+                out[f"{base}.{e}.{piece}.weight{scale or ''}"] = t.view(w.dtype) if u is not w else t
+    return out
+
+
+def single_process_fp8(config, model, snapshots) -> list[dict]:
+    """The FP8 served weights of ``model``'s params (transformers 5 fused experts included) exported in one process,
+    one whole-param shard each, from each snapshot's masters (``{"step", "masters": {name: full fp32}}``, in
+    order): ``{name: FP8 weight, scale name: scales}`` per snapshot."""
+    from faircast_dist import FairCaster
+    from faircast_dist.export import ExportState, Shard
+    from faircast_dist.fp8 import fused_experts
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    state = ExportState(FairCaster(config), shapes=shapes, fused=fused_experts(model, shapes))
+    out = []
+    for snap in snapshots:  # (the state keeps each shard's FP8 bits and residual by its key, the param name)
+        shards = [Shard(n, m.reshape(-1).float().clone(), torch.zeros(m.numel(), dtype=torch.bfloat16),
+                        [(n, 0, m.numel(), 0)]) for n, m in snap["masters"].items() if n in state.fp8.shapes]
+        state.export_fp8(shards, None, snap["step"])
+        out.append(dict(state.fp8.served([(n, None) for n in state.fp8.shapes], state.full_fp8(shards, None))))
     return out

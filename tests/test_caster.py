@@ -70,7 +70,7 @@ def test_fp8_format_settings_are_checked_and_named():
              "decoder.layers.0.mlp.experts.experts.3.linear_fc1.weight": True,
              "decoder.layers.0.mlp.shared_experts.linear_fc1.weight": True}
     assert {n: fp8_param(fp8, n, (8, 8) if n.endswith("weight") else (8,)) for n in names} == names
-    assert not fp8_param(fp8, "model.layers.0.mlp.experts.gate_up_proj", (4, 8, 8))  # 3-D: bf16
+    assert not fp8_param(fp8, "model.layers.0.mlp.experts.gate_up_proj", (4, 8, 8))  # 3-D: by fused_experts only
     everything = ExportCastConfig.from_value({"mode": "nearest", "format": "fp8", "fp8_exclude": ""})
     assert fp8_param(everything, "lm_head.weight", (8, 8))
 

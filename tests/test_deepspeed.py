@@ -431,6 +431,36 @@ def test_fp8_other_casts_dp1_equals_dp2_and_the_reference(name):
         assert_same(b["served"], ref)
 
 
+MOE_LAYOUTS = [("zero2", 1), ("zero1", 2), ("zero3", 2)]
+
+
+@pytest.mark.parametrize("name", ["error_feedback", "dithered_block"])
+def test_fp8_fused_experts_are_the_per_expert_reference_at_every_layout(name):
+    """A real transformers 5 Qwen3-MoE (fused experts ``gate_up_proj`` [4, 80, 48], ``down_proj`` [4, 48, 40]) with
+    ``format "fp8"`` at ZeRO-2 DP 1, ZeRO-1 DP 2 and ZeRO-3 DP 2: the experts are served FP8 with scales beside them
+    (``gate_up_proj_scale``; blocks: ``_scale_inv``), at install and after each step the single-process export of
+    the gathered masters; their scales (and error feedback's bytes) are those of each expert's checkpoint tensors
+    (``experts.e.gate_proj.weight``, ...) cast on their own, as are the attention weights'. The router, embeddings
+    and norms stay bf16. Before: the experts were served bf16."""
+    from helpers import expert_checkpoint, reference_fp8, single_process_fp8, tiny_moe
+    suffix = "_scale_inv" if name == "dithered_block" else "_scale"
+    for path, world in MOE_LAYOUTS:
+        snaps = run(world, path=path, export_cast=FP8[name], steps=2, moe=True)[0]["fp8"]
+        served = snaps[-1]["served"]
+        assert {n for n in served if "experts" in n} == {f"model.layers.0.mlp.experts.{p}{s}" for p in (
+            "gate_up_proj", "down_proj") for s in ("", suffix)}, path
+        assert not any("gate.weight" in n or "embed" in n or "norm" in n for n in served), sorted(served)
+        for snap, want in zip(snaps, single_process_fp8(FP8[name], tiny_moe(), snaps)):
+            assert_same(snap["served"], want)
+        per_expert = [{**snap, "masters": expert_checkpoint(snap["masters"])} for snap in snaps]
+        for snap, ref in zip(snaps, reference_fp8(FP8[name], per_expert)):
+            got = expert_checkpoint(snap["served"])
+            assert got.keys() == ref.keys()
+            for t in got:
+                if name == "error_feedback" or "scale" in t:  # dithered bits: keyed on the fused param's indices
+                    assert torch.equal(bits(got[t]), bits(ref[t])), (path, t, snap["step"])
+
+
 def test_fp8_deltas_rebuild_the_served_model():
     """served_deltas with FP8: FP8 bits, scales and bf16 params, each step's deltas turning the previous served
     model into this step's, bit for bit."""

@@ -162,6 +162,26 @@ def test_shards_give_the_whole_tensors_scales_and_bytes(granularity):
         assert torch.equal(bits(part), bits(whole[g]))
 
 
+def two_exports(state, masters: dict):
+    """Export ``masters`` twice through ``state`` (an FP8 ExportState), each cut mid-row into three shards, the
+    second time after a small update (the scales are kept where everything fits): yields ``(step, full FP8
+    tensors, {name: whole master exported})``."""
+    from faircast_dist.export import Shard
+    shards = []
+    for name, m in masters.items():
+        flat, cuts = m.reshape(-1), [0, m.numel() // 3 + 7, 2 * m.numel() // 3 + 1, m.numel()]
+        shards += [Shard((name, a), flat[a:b].clone(), torch.zeros(b - a, dtype=torch.bfloat16), [(name, 0, b - a, a)])
+                   for a, b in zip(cuts, cuts[1:])]
+    for step in range(2):
+        if step:
+            for s in shards:
+                s.master.mul_(1 + 2 ** -12)
+        state.step = step
+        state.export_fp8(shards, None)
+        yield step, state.full_fp8(shards, None), {n: torch.cat([s.master for s in shards if s.key[0] == n]).view(
+            masters[n].shape) for n in masters}
+
+
 @pytest.mark.parametrize("method", ["dithered", "error_feedback"])
 def test_a_fused_param_takes_the_blocks_of_its_checkpoint_tensors(method):
     """Block scales on a fused param (Megatron's linear_qkv: 2 query groups of 3 heads of 48; SwiGLU fc1 of 150):
@@ -169,7 +189,7 @@ def test_a_fused_param_takes_the_blocks_of_its_checkpoint_tensors(method):
     back in its own row order, whatever shards (mid-row cuts) hold it. Without the padding, q_proj's last block
     (32 rows) and k_proj's (96) would share a scale."""
     from faircast_dist import FairCaster
-    from faircast_dist.export import ExportState, Shard
+    from faircast_dist.export import ExportState
     from faircast_dist.fp8 import FusedRows
     from helpers import checkpoint_parts, reference_fp8_fused
     groups, q, d, k = 2, 3, 48, 200
@@ -182,27 +202,56 @@ def test_a_fused_param_takes_the_blocks_of_its_checkpoint_tensors(method):
     assert [len(checkpoint_parts(n, m, groups, groups * q) or []) for n, m in masters.items()] == [3, 2, 0]
     state = ExportState(FairCaster(config), shapes={n: m.shape for n, m in masters.items()},
                         fused={n: f for n, f in names.items() if f})
-    shards = []
-    for name, m in masters.items():  # each param cut mid-row into three shards
-        flat, cuts = m.reshape(-1), [0, m.numel() // 3 + 7, 2 * m.numel() // 3 + 1, m.numel()]
-        shards += [Shard((name, a), flat[a:b].clone(), torch.zeros(b - a, dtype=torch.bfloat16), [(name, 0, b - a, a)])
-                   for a, b in zip(cuts, cuts[1:])]
     snaps = []
-    for step in range(2):
-        if step:  # an update: the scales are kept where everything fits
-            for s in shards:
-                s.master.mul_(1 + 2 ** -12)
-        state.step = step
-        state.export_fp8(shards, None)
-        full = state.full_fp8(shards, None)
-        snaps.append({"step": step, "masters": {n: torch.cat([s.master for s in shards if s.key[0] == n]).view(
-            masters[n].shape) for n in masters}})
+    for step, full, now in two_exports(state, masters):
+        snaps.append({"step": step, "masters": now})
         want = reference_fp8_fused(config, snaps, groups, groups * q)[-1]
         for name, f in names.items():
             assert torch.equal(bits(full[name]), bits(want[name])), (name, step)
             assert torch.equal(state.fp8.scales[name], want[name[:-len("weight")] + "weight_scale_inv"]), (name, step)
     assert state.fp8.scales["l.self_attention.linear_qkv.weight"].shape == (3 + 1 + 1, 2)
     assert state.fp8.scales["l.mlp.linear_fc1.weight"].shape == (2 + 2, 2)
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+@pytest.mark.parametrize("method", ["nearest", "error_feedback"])
+def test_fused_experts_are_served_as_their_checkpoint_tensors_in_fp8(granularity, method):
+    """transformers 5's fused experts (Qwen3-MoE: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]; I = 150, so a
+    128-row block of gate rows would reach into the up rows) serve FP8 bytes and scales that are, expert by expert,
+    those of the per-expert checkpoint tensors (``experts.e.gate_proj.weight``, ``up_proj``, ``down_proj``) cast as
+    2-D weights of their own, whatever shards (mid-row cuts) hold them; the scales sit beside them as transformers 5
+    names an FP8 model's (``gate_up_proj_scale_inv`` [E, 2 ceil(I/128), ceil(H/128)]). GPT-OSS's transposed experts
+    stay bf16."""
+    import transformers
+    from faircast_dist import FairCaster
+    from faircast_dist.export import ExportState
+    from faircast_dist.fp8 import fused_experts
+    from helpers import expert_checkpoint, reference_fp8, tiny_moe
+    model = tiny_moe(intermediate=150, hidden=200, experts=3)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    fused = fused_experts(model, shapes)
+    assert sorted(fused) == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
+    config = {"mode": "fair", "method": method, "seed": 5, "format": "fp8", "fp8_scales": granularity} \
+        if method != "nearest" else {"mode": "nearest", "format": "fp8", "fp8_scales": granularity}
+    state = ExportState(FairCaster(config), shapes=shapes, fused=fused)
+    masters = {n: torch.randn(shapes[n], generator=G) * torch.exp2(torch.randint(-6, 6, (*shapes[n][:-1], 1),
+                                                                                  generator=G).float())
+               for n in fused}
+    snaps, suffix = [], "_scale_inv" if granularity == "block" else "_scale"
+    for step, full, now in two_exports(state, masters):
+        served = dict(state.fp8.served([(n, None) for n in masters], full))
+        snaps.append({"step": step, "masters": expert_checkpoint(now)})
+        want = reference_fp8(config, snaps)[-1]
+        assert [(served[n].shape, served[n].dtype) for n in masters] == \
+            [(shapes[n], torch.float8_e4m3fn) for n in masters]
+        assert sorted(served) == sorted([*masters, *(n + suffix for n in masters)])
+        got = expert_checkpoint(served)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(bits(got[t]), bits(want[t])) for t in got), step
+    gpt_oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2))
+    assert fused_experts(gpt_oss, {n: tuple(p.shape) for n, p in gpt_oss.named_parameters()}) == {}
 
 
 def test_stochastic_and_dithered_are_unbiased_in_the_served_weight():

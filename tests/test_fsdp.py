@@ -22,6 +22,7 @@ FP8 = {"nearest": {"mode": "nearest", "format": "fp8"},
        "dithered_ue8m0": {"mode": "fair", "method": "dithered", "seed": 7, "format": "fp8", "fp8_ue8m0": True},
        "error_feedback": {"mode": "fair", "method": "error_feedback", "seed": 7, "format": "fp8"}}
 FP8_RESUMED = ("dithered_ue8m0", "error_feedback")
+FP8_MOE = ("error_feedback", "stochastic_block")
 
 
 def cfg(method):
@@ -95,6 +96,9 @@ def records(tmp_path_factory):
             jobs[LAYOUTS[layout][0]].append({**LAYOUTS[layout][1], "id": (layout, "fp8_resume", name), "fn": "resume",
                                              "export_cast": FP8[name], "dir": fp8_dir, "steps": STEPS - HALF,
                                              "first": HALF})
+    for world in (1, 2, 4):  # transformers 5's fused experts: one master trajectory under FSDP 1/2/4
+        jobs[world] += [{"id": (f"fsdp{world}", "fp8_moe", name), "fn": "fixed", "moe": True, "export_cast": FP8[name]}
+                        for name in FP8_MOE]
     jobs[2].append({"id": ("fsdp2", "fp8_from_bf16"), "fn": "resume", "export_cast": FP8["error_feedback"],
                     "dir": saves["error_feedback"], "steps": 1, "first": HALF})
     jobs[2].append({"id": ("fsdp2", "fp8_ef_from_dithered"), "fn": "resume", "export_cast": FP8["error_feedback"],
@@ -396,6 +400,27 @@ def test_fp8_served_weights_are_the_single_process_reference_under_every_layout(
     if layout == "fsdp1" and not config.fp8_ue8m0:  # the masters grow 0.1-0.3% per export: maxima outgrow their
         scales = [{n: t for n, t in r.items() if "scale" in n} for r in reference_fp8(config, exports)]  # scales
         assert sum(int((a[n] != b[n]).sum()) for a, b in zip(scales, scales[1:]) for n in a) > 0
+
+
+@pytest.mark.parametrize("name", FP8_MOE)
+def test_fp8_fused_experts_are_the_per_expert_reference_under_every_mesh(name, records):
+    """A real transformers 5 Qwen3-MoE (fused experts ``gate_up_proj`` [4, 80, 48], ``down_proj`` [4, 48, 40]; FSDP
+    shards the experts' dim) under FSDP 1, 2 and 4: one master trajectory's FP8 served weights are the
+    single-process export's, experts included (served 3-D, ``gate_up_proj_scale`` / ``_scale_inv`` beside them);
+    the scales (and error feedback's bytes) are those of each expert's checkpoint tensors cast on their own."""
+    from helpers import expert_checkpoint, reference_fp8, single_process_fp8, tiny_moe
+    for world in (1, 2, 4):
+        exports = get(records, f"fsdp{world}", "fp8_moe", name)["exports"]
+        for k, (snap, want) in enumerate(zip(exports, single_process_fp8(FP8[name], tiny_moe(), exports))):
+            assert {n for n in want if "experts" in n} == {f"model.layers.0.mlp.experts.{p}{s}" for p in (
+                "gate_up_proj", "down_proj") for s in ("", "_scale_inv" if "block" in name else "_scale")}
+            assert_same({n: t for n, t in snap["served"].items() if n in want}, want, f"fsdp{world} {name} {k}")
+        per_expert = [{**snap, "masters": expert_checkpoint(snap["masters"])} for snap in exports]
+        for snap, ref in zip(exports, reference_fp8(FP8[name], per_expert)):
+            got = {n: t for n, t in expert_checkpoint(snap["served"]).items() if n in ref}
+            if name != "error_feedback":  # stochastic bits: keyed on the fused param's own indices
+                got, ref = ({n: t for n, t in d.items() if "scale" in n} for d in (got, ref))
+            assert_same(got, ref, f"fsdp{world} {name} per expert")
 
 
 def test_fp8_served_weights_yield_each_weight_then_its_scales_in_model_order(records):
