@@ -38,6 +38,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import torch
 from deepspeed.utils import logger
@@ -57,17 +58,18 @@ def _rank_files(tag_dir: str, pattern: str) -> list[str]:
     return [os.path.join(tag_dir, f) for _, f in found]
 
 
-def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """Full per-param tensors of one optimizer-state key, assembled from every rank's file.
+def read_state(tag_dir: str, keys: Sequence[str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """Full per-param tensors of some per-element optimizer-state keys, assembled from every rank's file (each
+    file read once).
 
     Args:
         tag_dir: one checkpoint tag folder (e.g. ``ckpt/global_step100``) of ZeRO-1/2,
             BF16_Optimizer or ZeRO-3.
-        key: a per-element state key (``"export_cast_residual"``, ``"export_cast_served"``...).
+        keys: per-element state keys (``"export_cast_residual"``, ``"export_cast_served"``...).
 
     Returns:
-        ``({param name: tensor of the param's full shape}, {"step": int | None, "fp8_scales": dict | None})``;
-        the first dict is empty when no rank has the key.
+        ``({key: {param name: tensor of the param's full shape}}, {"step": int | None, "fp8_scales": dict | None})``;
+        a key's dict is empty when no rank has it.
 
     Raises:
         FileNotFoundError: no ZeRO optimizer files in ``tag_dir``.
@@ -78,45 +80,50 @@ def read_state(tag_dir: str, key: str) -> tuple[dict[str, torch.Tensor], dict]:
         raise FileNotFoundError(f"no ZeRO optimizer-state files in {tag_dir}")
     sds = [_load(f)["optimizer_state_dict"] for f in files]
     meta = {"step": None, "fp8_scales": None}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in keys}
     if "param_slice_mappings" in sds[0]:  # ZeRO-1/2, BF16_Optimizer: fragments per rank, in rank order
         model = _load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
         shapes = {n: s for group in model["param_shapes"] for n, s in group.items()}
-        pieces: dict[str, list] = {}
+        pieces: dict[str, dict[str, list]] = {key: {} for key in keys}
         for sd in sds:
             for g, mapping in enumerate(sd["param_slice_mappings"]):
                 state = sd["base_optimizer_state"]["state"][g]
                 meta["step"] = state.get(STEP_KEY, meta["step"])
                 meta["fp8_scales"] = state.get(FP8_SCALES_KEY, meta["fp8_scales"])
-                if key in state:
-                    for name, frag in mapping.items():
-                        pieces.setdefault(name, []).append(state[key].narrow(0, frag.start, frag.numel))
-        for name, parts in pieces.items():
-            out[name] = torch.cat(parts).view(shapes[name]).clone()
+                for key in keys:
+                    if key in state:
+                        for name, frag in mapping.items():
+                            pieces[key].setdefault(name, []).append(state[key].narrow(0, frag.start, frag.numel))
+        for key in keys:
+            for name, parts in pieces[key].items():
+                out[key][name] = torch.cat(parts).view(shapes[name]).clone()
         return out, meta
     # ZeRO-3: each param cut into ceil(numel / world) per rank (shards.partition_range), params back
     # to back per sub-group
     shapes = _load(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))["param_shapes"]
     states = [sd["optimizer_state_dict"]["state"] for sd in sds]
     meta["step"], meta["fp8_scales"] = states[0][0].get(STEP_KEY), states[0][0].get(FP8_SCALES_KEY)
-    if any(key not in st[g] for st in states for g in range(len(shapes))):
-        return {}, meta
-    for g, group in enumerate(shapes):
-        offset = 0
-        for name, shape in group.items():
-            numel = math.prod(shape)
-            pn = math.ceil(numel / len(states))
-            parts = [st[g][key].view(-1).narrow(0, offset, partition_range(numel, pn, r)[1]) for r, st in enumerate(states)]
-            out[name] = torch.cat(parts).view(shape).clone()
-            offset += pn
+    for key in keys:
+        if any(key not in st[g] for st in states for g in range(len(shapes))):
+            continue
+        for g, group in enumerate(shapes):
+            offset = 0
+            for name, shape in group.items():
+                numel = math.prod(shape)
+                pn = math.ceil(numel / len(states))
+                parts = [st[g][key].view(-1).narrow(0, offset, partition_range(numel, pn, r)[1])
+                         for r, st in enumerate(states)]
+                out[key][name] = torch.cat(parts).view(shape).clone()
+                offset += pn
     return out, meta
 
 
-def read_served(tag_dir: str) -> dict[str, torch.Tensor]:
+def read_served(tag_dir: str, trained: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The served bf16 model saved in one checkpoint tag: ``{name: bf16 tensor of the param's shape}``.
 
     The names :func:`deepspeed_hooks.served.served_weights` yields: every param of the module,
-    frozen ones included, tied weights once, no buffers.
+    frozen ones included, tied weights once, no buffers. ``trained``: ZeRO-3, the trained params' served
+    tensors already read (:func:`read_state` of ``"export_cast_served"``), else they are read here.
 
     Raises:
         FileNotFoundError: no model-states file in ``tag_dir``.
@@ -132,7 +139,8 @@ def read_served(tag_dir: str) -> dict[str, torch.Tensor]:
                 seen.add((t.untyped_storage().data_ptr(), t.storage_offset()))
                 names.append(n)
         return {n: sd["module"][n].to(torch.bfloat16).clone() for n in names}
-    served, _ = read_state(tag_dir, SERVED_KEY)  # ZeRO-3: rebuild from the per-rank served partitions
+    # ZeRO-3: rebuild from the per-rank served partitions
+    served = dict(trained) if trained is not None else read_state(tag_dir, [SERVED_KEY])[0][SERVED_KEY]
     if not served:
         raise ValueError(f"{tag_dir} has no '{SERVED_KEY}' in its optimizer state: a ZeRO-3 checkpoint stores no "
                          f"bf16 weights unless it was written with Fair Cast")
@@ -158,13 +166,11 @@ def to_universal(tag_dir: str, out_dir: str) -> None:
     if not _rank_files(tag_dir, r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt"):
         raise ValueError(f"{tag_dir} has no ZeRO optimizer-state files (a ZeRO stage 0 checkpoint?): DeepSpeed's "
                          f"universal format is converted from ZeRO-1/2/3 or BF16_Optimizer checkpoints only")
-    trained, meta = read_state(tag_dir, SERVED_KEY)
-    if not trained:
+    state, meta = read_state(tag_dir, [SERVED_KEY, RESIDUAL_KEY, FP8_KEY, FP8_RESIDUAL_KEY])
+    if not state[SERVED_KEY]:
         raise ValueError(f"{tag_dir} has no '{SERVED_KEY}': it was not written with Fair Cast")
-    served = read_served(tag_dir)  # the trained params and the frozen ones
-    residual, _ = read_state(tag_dir, RESIDUAL_KEY)
-    fp8, _ = read_state(tag_dir, FP8_KEY)
-    fp8_residual, _ = read_state(tag_dir, FP8_RESIDUAL_KEY)
+    served = read_served(tag_dir, state[SERVED_KEY])  # the trained params and the frozen ones
+    residual, fp8, fp8_residual = state[RESIDUAL_KEY], state[FP8_KEY], state[FP8_RESIDUAL_KEY]
     dense = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     stage3 = not os.path.exists(dense)
     config = _load(dense if not stage3 else os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")

@@ -477,7 +477,10 @@ class Fp8Export:
         missing = sorted(set(self.shapes) - set(scales))
         if scales and missing:
             raise ValueError(f"export_cast FP8: the checkpoint has no scales for {missing[:4]}"
-                             f"{' ...' if len(missing) > 4 else ''} (saved with another fp8_exclude or model?)")
+                             f"{' ...' if len(missing) > 4 else ''} (saved with another fp8_exclude or model, or before "
+                             f"these params were FP8: transformers 5's fused experts are since faircast's 2026-12-05 "
+                             f"version; to resume such a checkpoint, add an fp8_exclude pattern that keeps them bf16, "
+                             f"e.g. the default + '|experts')")
         loaded = {}
         for name in self.shapes:
             if name in scales:
