@@ -107,7 +107,7 @@ class OptimizerExport:
         caster: the :class:`FairCaster` built from the ``export_cast`` config.
         param_names: ``{param: name}`` (``engine.param_names``).
         model: the engine's module (``format "fp8"``: its transformers 5 fused experts are FP8 too,
-            :func:`faircast_dist.fp8.fused_experts`), or None.
+            :func:`faircast_dist.fp8.fused_experts`).
 
     Attributes:
         state: the :class:`~faircast_dist.export.ExportState` (step, telemetry: a DriftMonitor when
@@ -118,10 +118,10 @@ class OptimizerExport:
     #: every rank holds full copies (stage 0): gathering needs no reduction
     replicated = False
 
-    def __init__(self, optimizer, caster: FairCaster, param_names: dict, model=None):
+    def __init__(self, optimizer, caster: FairCaster, param_names: dict, model: torch.nn.Module):
         self.optimizer, self.param_names = optimizer, param_names
         shapes = {name: compat.full_shape(p) for p, name in param_names.items()}
-        fused = fused_experts(model, shapes) if model is not None and caster.config.fp8 else None
+        fused = fused_experts(model, shapes) if caster.config.fp8 else None
         self.state = ExportState(caster, residuals=StateResiduals(optimizer.optimizer), shapes=shapes, fused=fused)
         self.in_step = False
         self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish() (empty: no export)

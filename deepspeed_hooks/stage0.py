@@ -35,6 +35,6 @@ class Stage0Export(OptimizerExport):
         return out
 
 
-def attach(optimizer, caster, param_names, model=None) -> Stage0Export:
+def attach(optimizer, caster, param_names, model) -> Stage0Export:
     """Fair Cast's export for a stage-0 ``FP16_UnfusedOptimizer`` or ``FP16_Optimizer``."""
     return Stage0Export(optimizer, caster, param_names, model)

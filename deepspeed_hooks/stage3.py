@@ -63,7 +63,7 @@ class Stage3Export(OptimizerExport):
         return load_and_restore
 
 
-def attach(optimizer, caster, param_names, model=None) -> Stage3Export:
+def attach(optimizer, caster, param_names, model) -> Stage3Export:
     """Fair Cast's export for a ``DeepSpeedZeroOptimizer_Stage3``.
 
     Raises:

@@ -45,7 +45,7 @@ _EXPORTS: "weakref.WeakValueDictionary[int, FlatPartitionExport]" = weakref.Weak
 class FlatPartitionExport(OptimizerExport):
     """Flat partitioned groups of a ``DeepSpeedZeroOptimizer`` or ``BF16_Optimizer``."""
 
-    def __init__(self, optimizer, caster, param_names, model=None):
+    def __init__(self, optimizer, caster, param_names, model):
         super().__init__(optimizer, caster, param_names, model)
         self.lp_groups, self.lp_partitions, self.hp_partitions = compat.flat_partitions(optimizer)
 
@@ -123,7 +123,7 @@ def wrap_gather(original):
     return all_gather_dp_groups
 
 
-def attach(optimizer, caster, param_names, model=None) -> FlatPartitionExport:
+def attach(optimizer, caster, param_names, model) -> FlatPartitionExport:
     """Fair Cast's export for a ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, offload too) or ``BF16_Optimizer``.
 
     Raises:

@@ -49,8 +49,8 @@ FORMATS = ("bf16", "fp8")
 FP8_SCALES = ("channel", "block")
 #: the params kept bf16 under ``format: "fp8"`` (a regex searched in the param name), as the RL stacks do: embeddings,
 #: the LM head, norms, MoE routers (HF ``mlp.gate``, Megatron ``router``) and shared-expert gates (HF
-#: ``shared_expert_gate``, Megatron ``shared_experts.gate_weight`` [1, H]); biases and other 1-D/3-D params are not
-#: 2-D linear weights and stay bf16 anyway, but transformers 5's fused experts (:func:`faircast_dist.fp8.fused_experts`)
+#: ``shared_expert_gate``, Megatron ``shared_experts.gate_weight`` [1, H]); biases and other 1-D/3-D params stay bf16
+#: anyway, but for transformers 5's fused experts (:func:`faircast_dist.fp8.fused_experts`), which are FP8
 FP8_EXCLUDE = r"embed|lm_head|output_layer|norm|router|(^|\.)gate\.weight$|shared_expert_gate|(^|\.)gate_weight$"
 
 
@@ -82,8 +82,9 @@ class ExportCastConfig:
         format: the served weights: ``"bf16"`` (default: the model's bf16 params) or ``"fp8"``: the 2-D
             linear weights (and transformers 5's fused MoE experts) not matched by ``fp8_exclude`` are also
             served as FP8 E4M3 with fp32 scales, cast from the fp32 masters by the method (``mode
-            "nearest"``: round-to-nearest, what RL stacks do), with their own state (sticky scales; error feedback: an fp32 residual). The model's bf16
-            params (what training computes with) are cast as with ``"bf16"``. See :mod:`faircast_dist.fp8`.
+            "nearest"``: round-to-nearest, what RL stacks do), with their own state (sticky scales; error
+            feedback: an fp32 residual). The model's bf16 params (what training computes with) are cast as
+            with ``"bf16"``. See :mod:`faircast_dist.fp8`.
         fp8_scales: ``"channel"`` (default; one scale per output row, ``weight_scale [N, 1]``) or
             ``"block"`` (128x128, ``weight_scale_inv``).
         fp8_ue8m0: scales are powers of two.
