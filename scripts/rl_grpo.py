@@ -151,6 +151,11 @@ def parse_args(argv=None):
     p.add_argument("--fp8-ue8m0", action="store_true",
                    help="the fp8_* arms' scales are powers of two (export_cast fp8_ue8m0: a channel's maximum may grow "
                         "up to 2x before its scale is set again, so rescales are rare) [default: plain scales]")
+    p.add_argument("--start-on-fp8-grid", action="store_true",
+                   help="round the starting weights that the fp8_* arms serve as FP8 onto their E4M3 grid first "
+                        "(round-to-nearest with the scales their first export sets), as the masters of an RL run "
+                        "from an FP8 checkpoint start; every arm starts there (with --fp8-ue8m0 exactly on the grid "
+                        "and in bf16; plain scales: within half a bf16 ulp, at most 1/16 of an E4M3 spacing)")
     p.add_argument("--save-masters", action="store_true",
                    help="save each arm's final fp32 master weights, as scored: OUT_DIR/pair_SEED/masters_ARM.safetensors")
     p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
@@ -313,6 +318,27 @@ def build_policy(args, task: Task, rank: int):
     dist.barrier()
     load_model(model, path)
     return model
+
+
+def start_on_fp8_grid(model, export_cast: dict) -> None:
+    """Round ``model``'s FP8-served params (:func:`faircast_dist.fp8.fp8_param` under ``export_cast``, an FP8 arm's
+    config) in place to ``q * s``: round-to-nearest E4M3 codes ``q`` with fresh scales ``s`` of the config's kind
+    (one per output channel), the values an FP8 checkpoint's dequantized weights have. Then the FP8 arms' first
+    export sets the same scales (UE8M0: the same or a finer power-of-two grid, which holds these values) and
+    serves exactly the starting weights: their round-to-nearest stays put until a master crosses half a
+    spacing, as in an RL run from an FP8 checkpoint, and unlike a start from bf16 weights, whose positions between
+    two E4M3 values are spread like a fixed dither's. Non-FP8 params are left as they are."""
+    from faircast_dist import ExportCastConfig
+    from faircast_dist.fp8 import Fp8Layout, fp8_param
+    from faircast_dist.rounding import cast_fp8_nearest
+    config = ExportCastConfig.from_value(export_cast)
+    layout = Fp8Layout("channel", config.fp8_ue8m0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if fp8_param(config, name, tuple(p.shape)):
+                w = p.detach().float()
+                s = layout.scales(w.abs().amax(dim=1, keepdim=True)).expand_as(w).contiguous()
+                p.copy_(cast_fp8_nearest(w, s).float() * s)
 
 
 def state_sha(model) -> str:
@@ -798,6 +824,8 @@ def run_notes(records: list[dict], args) -> list[str]:
             "Start weights: " + ("SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32" if args.model == "smollm2"
                                  else f"tiny byte-level Llama, from {args.init_weights}" if getattr(args, "init_weights", None)
                                  else f"tiny byte-level Llama, {args.warm_steps} supervised warm-start steps")
+            + (", rounded onto the FP8 arms' E4M3 grid (--start-on-fp8-grid)" if getattr(args, "start_on_fp8_grid", False)
+               else "")
             + f", rounded to bf16 (every arm's masters start there; state sha256 {getattr(args, 'init_sha', None)}).",
             f"Rollout engine: {'vLLM (one engine on rank 0 for all ranks)' if args.engine == 'vllm' else 'HF generate (a bf16 copy per rank)'}"
             f"{f' (the {ORACLE} arm: an fp32 one of its own)' if ORACLE in args.arms else ''}"
@@ -846,6 +874,11 @@ def main(argv=None) -> list[dict]:
     with torch.no_grad():  # every arm starts from these masters: DeepSpeed's bf16 arms round them anyway
         for p in init_model.parameters():
             p.copy_(p.to(torch.bfloat16))
+    if args.start_on_fp8_grid:
+        start_on_fp8_grid(init_model, arm_export_cast("fp8_nearest", 0, args))
+        with torch.no_grad():
+            for p in init_model.parameters():
+                p.copy_(p.to(torch.bfloat16))
     args.init_sha = state_sha(init_model)
     # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights; the oracle
     # arm has an fp32 engine of its own

@@ -77,6 +77,46 @@ def test_fp8_ue8m0_gives_the_fp8_arms_power_of_two_scales():
     assert "fp8_ue8m0" not in rl_grpo.arm_export_cast("dithered", 3, on)  # bf16 arms: no FP8 setting
 
 
+@pytest.mark.parametrize("ue8m0", [True, False])
+def test_start_on_fp8_grid_puts_the_fp8_params_where_round_to_nearest_serves_them_unchanged(ue8m0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from faircast_dist import ExportCastConfig
+    from faircast_dist.fp8 import Fp8Layout, fp8_param
+    from faircast_dist.rounding import cast_fp8_nearest
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**rl_grpo.TINY))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = rl_grpo.parse_args(["--start-on-fp8-grid"] + (["--fp8-ue8m0"] if ue8m0 else []))
+    export_cast = rl_grpo.arm_export_cast("fp8_nearest", 0, args)
+    rl_grpo.start_on_fp8_grid(model, export_cast)
+    config, layout = ExportCastConfig.from_value(export_cast), Fp8Layout("channel", ue8m0)
+
+    def rtn(w):  # what the FP8 arm's first export serves: fresh scales of w, round-to-nearest
+        s = layout.scales(w.abs().amax(dim=1, keepdim=True)).expand_as(w).contiguous()
+        return cast_fp8_nearest(w, s).float() * s, s
+
+    fp8 = [n for n, p in model.named_parameters() if fp8_param(config, n, tuple(p.shape))]
+    assert len(fp8) == 14  # q, k, v, o, gate, up, down of 2 layers; embeddings and norms stay as they were
+    for n, p in model.named_parameters():
+        w = p.detach()
+        if n not in fp8:
+            assert torch.equal(w, before[n]), n
+            continue
+        served, s = rtn(before[n])
+        assert torch.equal(w, served), n  # the dequantized round-to-nearest codes of the start
+        assert (rtn(before[n])[0] != before[n]).float().mean() > 0.9  # (a bf16 start is off the grid)
+        start = w.to(torch.bfloat16).float()  # what the arms' masters start from (main rounds to bf16 again)
+        if ue8m0:  # exactly on both grids: the first export serves the start itself
+            assert torch.equal(start, w) and torch.equal(rtn(start)[0], start), n
+        else:  # within half a bf16 ulp of the first export's grid (the bf16 rounding of q * s): <= 1/16 spacing
+            q, s = rtn(start)
+            spacing = s * 2.0 ** (torch.floor(torch.log2((q / s).abs().clamp_min(2.0 ** -6))) - 3)
+            assert ((q - start).abs() <= spacing / 16).all(), n
+
+
 def test_default_arms_follow_the_engine_and_fp8_arms_need_their_baseline(tmp_path):
     """FP8 arms by default only where vLLM serves them; an FP8 arm without fp8_nearest is refused at launch and
     in a merge (a committed pair folder with fp8_nearest's rows removed)."""
