@@ -322,8 +322,9 @@ def build_policy(args, task: Task, rank: int):
 
 def start_on_fp8_grid(model, export_cast: dict) -> None:
     """Round ``model``'s FP8-served params (:func:`faircast_dist.fp8.fp8_param` under ``export_cast``, an FP8 arm's
-    config) in place to ``q * s``: round-to-nearest E4M3 codes ``q`` with fresh scales ``s`` of the config's kind
-    (one per output channel), the values an FP8 checkpoint's dequantized weights have. Then the FP8 arms' first
+    config) in place to ``q * s`` rounded to bf16: round-to-nearest E4M3 codes ``q`` with fresh scales ``s`` of the
+    config's kind (one per output channel), the values an FP8 checkpoint's dequantized weights have (UE8M0: exact
+    in bf16). Then the FP8 arms' first
     export sets the same scales (UE8M0: the same or a finer power-of-two grid, which holds these values) and
     serves exactly the starting weights: their round-to-nearest stays put until a master crosses half a
     spacing, as in an RL run from an FP8 checkpoint, and unlike a start from bf16 weights, whose positions between
@@ -338,7 +339,7 @@ def start_on_fp8_grid(model, export_cast: dict) -> None:
             if fp8_param(config, name, tuple(p.shape)):
                 w = p.detach().float()
                 s = layout.scales(w.abs().amax(dim=1, keepdim=True)).expand_as(w).contiguous()
-                p.copy_(cast_fp8_nearest(w, s).float() * s)
+                p.copy_((cast_fp8_nearest(w, s).float() * s).to(torch.bfloat16))
 
 
 def state_sha(model) -> str:
@@ -876,9 +877,6 @@ def main(argv=None) -> list[dict]:
             p.copy_(p.to(torch.bfloat16))
     if args.start_on_fp8_grid:
         start_on_fp8_grid(init_model, arm_export_cast("fp8_nearest", 0, args))
-        with torch.no_grad():
-            for p in init_model.parameters():
-                p.copy_(p.to(torch.bfloat16))
     args.init_sha = state_sha(init_model)
     # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights; the oracle
     # arm has an fp32 engine of its own

@@ -106,15 +106,14 @@ def test_start_on_fp8_grid_puts_the_fp8_params_where_round_to_nearest_serves_the
             assert torch.equal(w, before[n]), n
             continue
         served, s = rtn(before[n])
-        assert torch.equal(w, served), n  # the dequantized round-to-nearest codes of the start
-        assert (rtn(before[n])[0] != before[n]).float().mean() > 0.9  # (a bf16 start is off the grid)
-        start = w.to(torch.bfloat16).float()  # what the arms' masters start from (main rounds to bf16 again)
-        if ue8m0:  # exactly on both grids: the first export serves the start itself
-            assert torch.equal(start, w) and torch.equal(rtn(start)[0], start), n
+        assert torch.equal(w, served.to(torch.bfloat16).float()), n  # the start's round-to-nearest codes, in bf16
+        assert (served != before[n]).float().mean() > 0.9  # (a bf16 start is off the grid)
+        q, s = rtn(w)  # what the FP8 arm's first export serves of the start
+        if ue8m0:  # exactly on both grids: the start itself
+            assert torch.equal(w, served) and torch.equal(q, w), n
         else:  # within half a bf16 ulp of the first export's grid (the bf16 rounding of q * s): <= 1/16 spacing
-            q, s = rtn(start)
             spacing = s * 2.0 ** (torch.floor(torch.log2((q / s).abs().clamp_min(2.0 ** -6))) - 3)
-            assert ((q - start).abs() <= spacing / 16).all(), n
+            assert ((q - w).abs() <= spacing / 16).all(), n
 
 
 def test_default_arms_follow_the_engine_and_fp8_arms_need_their_baseline(tmp_path):
