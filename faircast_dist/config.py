@@ -49,8 +49,8 @@ FORMATS = ("bf16", "fp8")
 FP8_SCALES = ("channel", "block")
 #: the params kept bf16 under ``format: "fp8"`` (a regex searched in the param name), as the RL stacks do: embeddings,
 #: the LM head, norms, MoE routers (HF ``mlp.gate``, Megatron ``router``) and shared-expert gates (HF
-#: ``shared_expert_gate``, Megatron ``shared_experts.gate_weight`` [1, H]); biases and other 1-D/3-D params stay bf16
-#: anyway, but for transformers 5's fused experts (:func:`faircast_dist.fp8.fused_experts`), which are FP8
+#: ``shared_expert_gate``, Megatron ``shared_experts.gate_weight`` [1, H]). Biases and other 1-D/3-D params stay
+#: bf16 anyway, except transformers 5's fused experts (:func:`faircast_dist.fp8.fused_experts`), which are FP8.
 FP8_EXCLUDE = r"embed|lm_head|output_layer|norm|router|(^|\.)gate\.weight$|shared_expert_gate|(^|\.)gate_weight$"
 
 

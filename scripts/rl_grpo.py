@@ -69,7 +69,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fair_demo_common import METHODS, SMOLLM2_GGUF, TINY_LLAMA, export_cast_config
-from rl.engines import RolloutEngine, VllmEngine, check_synced, flat_bits, served_values, sync_weights
+from rl.engines import (RolloutEngine, VllmEngine, channel_nearest, check_synced, flat_bits, served_values,
+                        sync_weights)
 from rl.stats import (BASELINE, FP8_BASELINE, arm_mean, arm_scores, baseline_of, compare_arms, compare_formats,
                       fitted_delay, lag_peak, mean_curves, reward_rise)
 
@@ -324,22 +325,19 @@ def start_on_fp8_grid(model, export_cast: dict) -> None:
     """Round ``model``'s FP8-served params (:func:`faircast_dist.fp8.fp8_param` under ``export_cast``, an FP8 arm's
     config) in place to ``q * s`` rounded to bf16: round-to-nearest E4M3 codes ``q`` with fresh scales ``s`` of the
     config's kind (one per output channel), the values an FP8 checkpoint's dequantized weights have (UE8M0: exact
-    in bf16). Then the FP8 arms' first
-    export sets the same scales (UE8M0: the same or a finer power-of-two grid, which holds these values) and
-    serves exactly the starting weights: their round-to-nearest stays put until a master crosses half a
-    spacing, as in an RL run from an FP8 checkpoint, and unlike a start from bf16 weights, whose positions between
-    two E4M3 values are spread like a fixed dither's. Non-FP8 params are left as they are."""
+    in bf16). Then the FP8 arms' first export sets the same scales (UE8M0: the same or a finer power-of-two grid,
+    which holds these values) and serves exactly the starting weights: their round-to-nearest stays put until a
+    master crosses half a spacing, as in an RL run from an FP8 checkpoint, and unlike a start from bf16 weights,
+    whose positions between two E4M3 values are spread like a fixed dither's. Non-FP8 params are left as they are."""
     from faircast_dist import ExportCastConfig
     from faircast_dist.fp8 import Fp8Layout, fp8_param
-    from faircast_dist.rounding import cast_fp8_nearest
     config = ExportCastConfig.from_value(export_cast)
     layout = Fp8Layout("channel", config.fp8_ue8m0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if fp8_param(config, name, tuple(p.shape)):
-                w = p.detach().float()
-                s = layout.scales(w.abs().amax(dim=1, keepdim=True)).expand_as(w).contiguous()
-                p.copy_((cast_fp8_nearest(w, s).float() * s).to(torch.bfloat16))
+                q, s = channel_nearest(p.detach().float(), layout)
+                p.copy_((q.float() * s).to(torch.bfloat16))
 
 
 def state_sha(model) -> str:

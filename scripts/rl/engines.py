@@ -199,6 +199,14 @@ class VllmEngine:
                 for o in outs]
 
 
+def channel_nearest(w: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest E4M3 of fp32 ``w`` ``[N, K]`` with fresh scales of ``layout`` (a channel
+    :class:`faircast_dist.fp8.Fp8Layout`) per output row: ``(float8_e4m3fn [N, K], float32 scale [N, 1])``."""
+    from faircast_dist.rounding import cast_fp8_nearest
+    scale = layout.scales(w.abs().amax(1, keepdim=True))
+    return cast_fp8_nearest(w, scale.expand_as(w).contiguous()), scale
+
+
 def save_checkpoint(model, path: str, fp8: bool = False) -> str:
     """Write ``model`` as a bf16 Hugging Face folder (config.json + model.safetensors) that vLLM loads; returns
     ``path``. (``save_pretrained`` refuses a model loaded from GGUF: it counts as quantized.) With ``fp8``, the
@@ -208,7 +216,6 @@ def save_checkpoint(model, path: str, fp8: bool = False) -> str:
 
     from faircast_dist import ExportCastConfig
     from faircast_dist.fp8 import Fp8Layout, fp8_param
-    from faircast_dist.rounding import cast_fp8_nearest
     os.makedirs(path, exist_ok=True)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
@@ -217,9 +224,7 @@ def save_checkpoint(model, path: str, fp8: bool = False) -> str:
     for n, p in model.named_parameters():
         w = p.detach().float()
         if fp8 and fp8_param(config, n, tuple(w.shape)):
-            scale = layout.scales(w.abs().amax(1, keepdim=True))  # [N, 1]
-            tensors[n], tensors[n.removesuffix("weight") + layout.scale_name] = \
-                cast_fp8_nearest(w, scale.expand_as(w).contiguous()), scale
+            tensors[n], tensors[n.removesuffix("weight") + layout.scale_name] = channel_nearest(w, layout)
         else:
             tensors[n] = w.to(torch.bfloat16).contiguous()
     if fp8:
