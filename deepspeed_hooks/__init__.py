@@ -99,7 +99,7 @@ def install(engine, *, config=None) -> list[ExportState]:
         wraps.wrap(optimizer, compat.ZERO3_REASSIGN, export.wrap_reassign)
         wraps.wrap(optimizer, "load_state_dict", export.wrap_load_restores_served)
     wraps.set(optimizer, STATE_KEY, export)
-    export.export_fp8()  # format "fp8": the initial model's FP8 copy (collective), served until the first step
+    export.state.export_fp8(export.shards())  # format "fp8": the initial model's FP8 copy (collective), until the first step
     wraps.wrap(engine, "save_checkpoint", functools.partial(_save_commits_after_all_ranks, engine))
     wraps.wrap(engine, "load_checkpoint", functools.partial(_load_serves_what_was_served, engine))
     if engine.monitor.enabled:
@@ -147,7 +147,7 @@ def _save_commits_after_all_ranks(engine, save):
             raise ValueError(f'save_checkpoint: client_state key "{STATE_KEY}" is reserved for Fair Cast\'s state')
         tag = bound.arguments["tag"]
         tag = bound.arguments["tag"] = tag if tag is not None else f"global_step{engine.global_steps}"
-        bound.arguments["client_state"] = {**client_state, STATE_KEY: {"step": engine.optimizer.export_cast.caster.step}}
+        bound.arguments["client_state"] = {**client_state, STATE_KEY: {"step": engine.optimizer.export_cast.state.step}}
         save_latest, bound.arguments["save_latest"] = bound.arguments["save_latest"], False
         result = save(*bound.args, **bound.kwargs)
         dist.barrier()
@@ -189,7 +189,6 @@ def _load_serves_what_was_served(engine, load):
         if path is not None:
             meta = client_state.pop(STATE_KEY, None)
             checkpoint.finish_load(engine, os.path.join(flags["load_dir"], tag), meta, optimizer_states, universal)
-            engine.optimizer.export_cast.telemetry.reset()  # the served model was replaced: the next step primes again
         return path, client_state
     return load_checkpoint
 

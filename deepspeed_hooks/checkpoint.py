@@ -45,7 +45,6 @@ from deepspeed.utils import logger
 
 from deepspeed_hooks.export import (FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY, RESIDUAL_KEY, SERVED_KEY, STATE_KEYS,
                                     STEP_KEY, UNIVERSAL_STATE_FILE)
-from faircast_dist.export import warn
 from faircast_dist.shards import partition_range
 
 
@@ -325,12 +324,12 @@ def finish_load(engine, tag_dir: str, meta: dict | None, optimizer_loaded: bool,
     for hp, _ in export.groups():  # what a universal loader put there; an empty state lets Adam start afresh
         for key in STATE_KEYS:
             export.group_state(hp).pop(key, None)
-    if step is None:
-        warn(f"{tag_dir} has no export step (written without Fair Cast?): it starts at 0")
-    export.caster.step = int(step or 0)
-    export.fp8_afresh()  # format "fp8": the FP8 copy of the loaded masters, scales set afresh
+    if step is None:  # (warned; FP8: the copy of the loaded masters, scales set afresh)
+        export.state.restore(None, export.shards(), step=0)
+    else:
+        export.state.restart(export.shards(), step=step)
     logger.info(f"export cast: loaded without optimizer state: masters set to the served bf16 values, residuals "
-                f"at zero, export step {export.caster.step}")
+                f"at zero, export step {export.state.step}")
 
 
 def main(argv=None) -> None:

@@ -1,15 +1,17 @@
-"""What every DeepSpeed optimizer path shares: the cast of a rank's fp32 shards and its state.
+"""What every DeepSpeed optimizer path shares: its shards, and its export state in DeepSpeed's checkpoints.
 
 An optimizer path (ZeRO-1/2, BF16_Optimizer, stage 0, ZeRO-3) is described by its *groups*: each
 group is one fp32 tensor that the base optimizer steps (a flat partition, or a whole param) plus
 its *fragments* — the pieces of named params it holds, each with where it starts in the group,
 its global element index (in the flattened full param) and the bf16 tensor it is served into.
-The adapters in this package only build that description; this module does the rest.
+The adapters in this package only build that description; this module turns it into the core's shards
+(:class:`faircast_dist.export.Shard`) and hands them to the :class:`~faircast_dist.export.ExportState`, which
+does the export, one group at a time as DeepSpeed steps them, and the rules of a load.
 
-State, kept in the base optimizer's ``state[group fp32 tensor]`` so DeepSpeed's own
+The export state's snapshot is kept in the base optimizer's ``state[group fp32 tensor]`` so DeepSpeed's own
 ``save_checkpoint``/``load_checkpoint`` carry it with each rank's optimizer state:
 
-* ``"export_cast_step"`` — int: exports done so far (keys the random bits).
+* ``"export_cast_step"`` — int: the export step (keys the random bits; :class:`~faircast_dist.export.ExportState`).
 * ``"export_cast_residual"`` — error feedback: float32/bfloat16 tensor shaped like the group.
 * ``"export_cast_served"`` — bfloat16 tensor shaped like the group, written at checkpoint time
   (and dropped at the next export): the bf16 values served at that step, so that paths that
@@ -35,7 +37,7 @@ from deepspeed import comm as dist
 from deepspeed_hooks import compat
 from faircast_dist import FairCaster
 from faircast_dist.config import RESIDUAL_DTYPES, Method
-from faircast_dist.export import ExportState, Shard, warn
+from faircast_dist.export import ExportSnapshot, ExportState, Shard
 from faircast_dist.fp8 import fused_experts
 from faircast_dist.telemetry import ExportObserver
 
@@ -100,7 +102,9 @@ class StateResiduals(MutableMapping):
 
 
 class OptimizerExport:
-    """Fair Cast on one DeepSpeed optimizer wrapper. Subclasses define :meth:`groups`.
+    """Fair Cast on one DeepSpeed optimizer wrapper: its shard geometry and the translation of the
+    :class:`~faircast_dist.export.ExportState`'s checkpoints to and from DeepSpeed's optimizer state. Subclasses
+    define :meth:`groups`.
 
     Args:
         optimizer: the DeepSpeed optimizer wrapper (``engine.optimizer``).
@@ -112,17 +116,20 @@ class OptimizerExport:
     Attributes:
         state: the :class:`~faircast_dist.export.ExportState` (step, telemetry: a DriftMonitor when
             DeepSpeed's monitor is enabled), its residuals in the base optimizer's state
-            (:class:`StateResiduals`).
+            (:class:`StateResiduals`), its FP8 buffers one per group (keyed by the group's position).
     """
 
     #: every rank holds full copies (stage 0): gathering needs no reduction
     replicated = False
 
     def __init__(self, optimizer, caster: FairCaster, param_names: dict, model: torch.nn.Module):
+        from deepspeed.accelerator import get_accelerator
         self.optimizer, self.param_names = optimizer, param_names
         shapes = {name: compat.full_shape(p) for p, name in param_names.items()}
         fused = fused_experts(model, shapes) if caster.config.fp8 else None
-        self.state = ExportState(caster, residuals=StateResiduals(optimizer.optimizer), shapes=shapes, fused=fused)
+        self.state = ExportState(caster, residuals=StateResiduals(optimizer.optimizer), replays=False, shapes=shapes,
+                                 fused=fused, group=None if self.replicated else self.dp_group(0),
+                                 device=get_accelerator().current_device_name(), replicated=self.replicated)
         self.in_step = False
         self._cast_now: set[int] = set()  # id of each group fp32 tensor cast since the last finish() (empty: no export)
 
@@ -156,7 +163,8 @@ class OptimizerExport:
         """``optimizer.step``: export (or let the hooks inside export), then :meth:`finish`."""
         @functools.wraps(step)
         def fair_step(*args, **kwargs):
-            self.telemetry.begin(self.pieces)  # before the step writes anything served
+            if self.step_exports:  # the stock copy writes the served params inside step: the telemetry sees them first
+                self.telemetry.begin(lambda: self.state.pieces(self.shards()))
             self.in_step = True
             try:
                 with self.step_context():
@@ -170,15 +178,15 @@ class OptimizerExport:
         return fair_step
 
     def wrap_state_dict(self, state_dict):
-        """``optimizer.state_dict``: put the served bf16 values into the state first."""
+        """``optimizer.state_dict``: put the export state into the optimizer state first (:meth:`save_state`)."""
         @functools.wraps(state_dict)
         def fair_state_dict(*args, **kwargs):
-            self.snapshot_served()
+            self.save_state()
             return state_dict(*args, **kwargs)
         return fair_state_dict
 
     def wrap_load_state_dict(self, load_state_dict):
-        """``optimizer.load_state_dict``: then adopt the loaded cast state (:meth:`after_load`)."""
+        """``optimizer.load_state_dict``: then restore the loaded export state (:meth:`after_load`)."""
         @functools.wraps(load_state_dict)
         def fair_load_state_dict(*args, **kwargs):
             result = load_state_dict(*args, **kwargs)
@@ -186,7 +194,7 @@ class OptimizerExport:
             return result
         return fair_load_state_dict
 
-    # ---- shared machinery
+    # ---- the shards
     def group_state(self, hp: torch.Tensor) -> dict:
         """The base optimizer's state of group fp32 tensor ``hp`` (where Fair Cast's entries live)."""
         return self.optimizer.optimizer.state[hp]
@@ -194,10 +202,6 @@ class OptimizerExport:
     def group(self, i: int) -> tuple[torch.Tensor, list[Fragment]]:
         """Group ``i`` of :meth:`groups` (adapters that cast one group at a time build only it)."""
         return self.groups()[i]
-
-    def export_group(self, i: int) -> None:
-        """Cast group ``i``'s fp32 tensor into its bf16 destinations (this rank's shard only)."""
-        self._cast(*self.group(i))
 
     @staticmethod
     def buffers(key, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> list[tuple]:
@@ -213,108 +217,83 @@ class OptimizerExport:
         return [((key, j), f.start, flat.narrow(0, f.start, f.numel), f.out.view(-1), [(f.name, 0, f.numel, f.index)])
                 for j, f in enumerate(fragments)]
 
-    def pieces(self) -> list[tuple]:
-        """The served buffers this rank counts in the drift telemetry (every rank's own partitions;
-        stage 0, where every rank casts the whole model, on rank 0 only), as
-        :meth:`faircast_dist.telemetry.DriftSample.observe` takes them."""
-        if self.replicated and dist.get_rank() != 0:
-            return []
-        return [(key, master, served, rows) for i, (hp, fragments) in enumerate(self.groups())
-                for key, _, master, served, rows in self.buffers(i, hp, fragments)]
+    def group_shards(self, i: int, hp: torch.Tensor, fragments: list[Fragment],
+                     out: torch.Tensor | None = None) -> list[Shard]:
+        """Group ``i`` as the core's shards (:meth:`buffers`), each with views of the group's residual (error feedback,
+        once the base optimizer holds state for the group: an entry in its empty state would stop torch's optimizers
+        from creating theirs), FP8 bits and FP8 residual. Stage 0, where every rank casts the whole model, counts in
+        the telemetry on rank 0 only."""
+        residual = self.state.residual(hp, hp.view(-1)) if self.optimizer.optimizer.state.get(hp) else None
+        fp8, fp8_residual = None, None
+        if self.state.fp8 is not None:
+            fp8 = _own(self.state.fp8_outs, i, hp, torch.uint8)
+            if self.caster.method.needs_residual:
+                fp8_residual = _own(self.state.fp8_residuals, i, hp, torch.float32)
+        counted = not self.replicated or dist.get_rank() == 0
+        part = lambda t, start, n: None if t is None else t.view(-1).narrow(0, start, n)  # noqa: E731
+        return [Shard(key, master, served, rows, counted, part(residual, start, master.numel()),
+                      part(fp8, start, master.numel()), part(fp8_residual, start, master.numel()))
+                for key, start, master, served, rows in self.buffers(i, hp, fragments, out)]
 
+    def shards(self, groups: list | None = None) -> list[Shard]:
+        """This rank's shards, every group's (``groups``: :meth:`groups`, when the caller has them)."""
+        return [s for i, (hp, fragments) in enumerate(self.groups() if groups is None else groups)
+                for s in self.group_shards(i, hp, fragments)]
+
+    # ---- the export, one group at a time
     @torch.no_grad()
-    def _cast(self, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> None:
-        """Cast one group; ``out``: a bf16 1-D buffer laid out like ``hp`` to write instead of the
-        fragments' own targets (ZeRO-1/2: the buffer DeepSpeed's copy was about to fill)."""
+    def _cast(self, i: int, hp: torch.Tensor, fragments: list[Fragment], out: torch.Tensor | None = None) -> None:
+        """Cast group ``i``; the step's first cast begins the export. ``out``: a bf16 1-D buffer laid out like ``hp``
+        to write instead of the fragments' own targets (ZeRO-1/2: the buffer DeepSpeed's copy was about to fill)."""
+        if not self._cast_now:
+            self.state.begin(self.shards())
         with self.telemetry.span(hp.device):  # one span per group (ZeRO steps each group just before its cast)
             self.group_state(hp).pop(SERVED_KEY, None)
-            residual = self.state.residual(hp, hp.view(-1))  # the group's, in DeepSpeed's optimizer state
-            self.state.cast([Shard(key, master, served, rows, residual=None if residual is None else
-                                   residual.view(-1).narrow(0, start, master.numel()))
-                             for key, start, master, served, rows in self.buffers(None, hp, fragments, out)])
+            self.state.cast(self.group_shards(i, hp, fragments, out))
         self._cast_now.add(id(hp))
 
-    @torch.no_grad()
-    def fp8_shards(self, groups: list | None = None) -> list[Shard]:
-        """``format "fp8"``: this rank's shards with their FP8 buffers: views of one buffer per group, shaped like
-        its fp32 tensor (``groups``: :meth:`groups`, when the caller has them), in :attr:`ExportState.fp8_outs` /
-        ``fp8_residuals`` keyed by group position (not in the
-        optimizer state, which the base optimizer's first step must find empty; :meth:`snapshot_served` puts
-        them there for a checkpoint)."""
-        shards, ef = [], self.caster.method.needs_residual
-        for i, (hp, fragments) in enumerate(self.groups() if groups is None else groups):
-            bits = self.state.fp8_outs.get(i)
-            if bits is None:
-                bits = self.state.fp8_outs[i] = torch.zeros(hp.numel(), dtype=torch.uint8, device=hp.device)
-            res = self.state.fp8_residuals.get(i) if ef else None
-            if ef and res is None:
-                res = self.state.fp8_residuals[i] = torch.zeros(hp.numel(), dtype=torch.float32, device=hp.device)
-            shards += [Shard(key, master, served, rows, fp8=bits.narrow(0, start, master.numel()),
-                             fp8_residual=None if res is None else res.narrow(0, start, master.numel()))
-                       for key, start, master, served, rows in self.buffers(i, hp, fragments)]
-        return shards
+    def export_group(self, i: int) -> None:
+        """Cast group ``i``'s fp32 tensor into its bf16 destinations (this rank's shard only)."""
+        self._cast(i, *self.group(i))
 
-    def reduce_max(self, t: torch.Tensor) -> None:
-        """MAX all-reduce of ``t`` in place over group 0's DP group, on the communication device (nothing where
-        every rank holds the whole model: stage 0)."""
-        if self.replicated:
+    def finish(self) -> None:
+        """After a step's casts: the rest of the export (the FP8 served copy, collective; the telemetry); a
+        checkpoint's FP8 copy in the optimizer state is stale then."""
+        if not self._cast_now:
             return
-        from deepspeed.accelerator import get_accelerator
-        on = t.to(get_accelerator().current_device_name())
-        dist.all_reduce(on, op=dist.ReduceOp.MAX, group=self.dp_group(0))
-        t.copy_(on)
-
-    def export_fp8(self, step: int | None = None) -> None:
-        """``format "fp8"``: cast the FP8 served copy (collective); a checkpoint's copy in the state is stale then."""
-        if self.state.fp8 is None:
-            return
+        self._cast_now.clear()
         groups = self.groups()
-        shards = self.fp8_shards(groups)
-        with self.telemetry.span(shards[0].master.device if shards else "cpu"):
-            self.state.export_fp8(shards, self.reduce_max, step)
+        self.state.finish(self.shards(groups))
         for hp, _ in groups:
             for key in (FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY):
                 self.optimizer.optimizer.state.get(hp, {}).pop(key, None)
 
-    def finish(self) -> None:
-        """After a step's exports: the FP8 served copy (``format "fp8"``), advance the step and record it in
-        every group's state."""
-        if not self._cast_now:
-            return
-        self._cast_now.clear()
-        self.export_fp8()
-        self.caster.advance()
-        for hp, _ in self.groups():
-            self.group_state(hp)[STEP_KEY] = self.caster.step
-        self.telemetry.end(self.pieces)
-
     def export(self) -> None:
         """Export every group not cast yet in this step, then :meth:`finish`."""
-        for hp, fragments in self.groups():
+        for i, (hp, fragments) in enumerate(self.groups()):
             if id(hp) not in self._cast_now:
-                self._cast(hp, fragments)
+                self._cast(i, hp, fragments)
         self.finish()
 
+    # ---- checkpoints: the snapshot in DeepSpeed's optimizer state
     @torch.no_grad()
-    def snapshot_served(self) -> None:
-        """Put the bf16 values served now into each group's state (before a checkpoint save); nothing before the
-        base optimizer's first step (entries in its empty state would stop torch's optimizers from creating
-        theirs: such a checkpoint is loaded as one without Fair Cast state, at export step 0)."""
-        if not any(self.optimizer.optimizer.state.get(hp) for hp, _ in self.groups()):
+    def save_state(self) -> None:
+        """Put the export state's snapshot into each group's optimizer state (before a checkpoint save): the step,
+        the method, the bf16 values served (the residual is there already) and, with FP8, the bits, scales and
+        residuals. Nothing before the base optimizer's first step (entries in its empty state would stop torch's
+        optimizers from creating theirs: such a checkpoint is loaded as one without Fair Cast state)."""
+        groups = self.groups()
+        if not any(self.optimizer.optimizer.state.get(hp) for hp, _ in groups):
             return
-        for hp, fragments in self.groups():
+        snap = self.state.snapshot(self.shards(groups))
+        for i, (hp, fragments) in enumerate(groups):
             served = torch.zeros(hp.numel(), dtype=torch.bfloat16, device=hp.device)
-            for f in fragments:
-                served.narrow(0, f.start, f.numel).copy_(f.out)
+            for key, start, _, out, _ in self.buffers(i, hp, fragments):  # (out may end before a padded hp)
+                served.narrow(0, start, out.numel()).copy_(snap.served[key])
             state = self.group_state(hp)
-            state[SERVED_KEY] = served
-            state[STEP_KEY] = self.caster.step
-            state[METHOD_KEY] = list(Method).index(self.caster.method)
-        if self.state.fp8 is not None:
-            self.fp8_shards()  # buffers exist
-            for i, (hp, _) in enumerate(self.groups()):
-                state = self.group_state(hp)
-                state[FP8_KEY], state[FP8_SCALES_KEY] = self.state.fp8_outs[i], dict(self.state.fp8.scales)
+            state[SERVED_KEY], state[STEP_KEY], state[METHOD_KEY] = served, snap.step, list(Method).index(snap.method)
+            if snap.fp8_scales is not None:
+                state[FP8_KEY], state[FP8_SCALES_KEY] = self.state.fp8_outs[i], snap.fp8_scales
                 if self.caster.method.needs_residual:
                     state[FP8_RESIDUAL_KEY] = self.state.fp8_residuals[i]
 
@@ -336,112 +315,62 @@ class OptimizerExport:
         return found
 
     def after_load(self, universal_folder: str | None = None) -> None:
-        """Adopt the cast state just loaded into the base optimizer's state.
+        """Restore the export state just loaded into the base optimizer's state: read its snapshot out of the
+        groups' state and hand it to :meth:`faircast_dist.export.ExportState.restore` (the rules are there).
 
         Args:
             universal_folder: the universal checkpoint just loaded, if any: its Fair Cast files
                 (written by :mod:`deepspeed_hooks.checkpoint`) are read into this rank's groups,
                 each element's residual and served value following the element.
 
-        Rules: the export step continues from the checkpoint (0 when it has none); residuals follow
-        :func:`faircast_dist.caster.adopt_residuals` (kept exactly with error feedback, zero when
-        switching to it, dropped when switching away; a warning for the last two).
-
         Raises:
-            ValueError: groups disagree on the step, or a residual does not match its group's
-                shape (the message names the params of that group).
+            ValueError: groups disagree on the step, or a saved per-element entry does not match its group's
+                size (the message names the params of that group).
         """
-        groups = self.groups()
         if universal_folder is not None:
             self._load_universal(universal_folder)
+        groups = self.groups()
         steps = {self.group_state(hp).get(STEP_KEY) for hp, _ in groups}
         if len(steps) != 1:
             raise ValueError(f"export cast: param groups disagree on {STEP_KEY}: {sorted(map(str, steps))}")
         (step,) = steps
-        if step is None:
-            warn("the checkpoint has no export-cast state (written without Fair Cast, or before the first step?): export "
-                 "step starts at 0"
-                 + (", residuals at zero" if self.caster.method.needs_residual else ""))
-        self.caster.step = int(step or 0)
-        dtype = RESIDUAL_DTYPES[self.caster.config.residual_dtype]
-        saved, codes = False, set()
         for hp, fragments in groups:
             state = self.group_state(hp)
-            residual = state.get(RESIDUAL_KEY)
-            if residual is not None and residual.numel() != hp.numel():
-                names = sorted({f.name for f in fragments})
-                raise ValueError(f"export cast: saved {RESIDUAL_KEY} has {residual.numel()} elements but the "
-                                 f"partition holding {names} has {hp.numel()} (saved under another layout?)")
-            saved |= residual is not None
-            codes.add(state.get(METHOD_KEY))
-            if state.get(SERVED_KEY) is not None:
-                state[SERVED_KEY] = state[SERVED_KEY].to(torch.bfloat16)
-        code = next(iter(codes)) if len(codes) == 1 else None
-        # without any Fair Cast state: warned above
-        action = self.state.adopt(saved, None if code is None else list(Method)[code],
-                                  warning="" if step is None else None)
-        for hp, _ in groups:
-            state = self.group_state(hp)
-            if action == "keep" and RESIDUAL_KEY in state:  # torch's Optimizer.load_state_dict casts float
-                state[RESIDUAL_KEY] = state[RESIDUAL_KEY].to(dtype).view(hp.shape)  # state to the param dtype: undo it
-            elif action == "drop":
-                state.pop(RESIDUAL_KEY, None)
-        self._adopt_fp8(groups)
-
-    def _adopt_fp8(self, groups) -> None:
-        """``format "fp8"``: take the loaded FP8 state (bits, scales; error feedback: residuals), or, in a
-        checkpoint without it, set the scales afresh and cast the FP8 copy of the loaded masters now (the last
-        export's step; a warning says so). Other formats: drop FP8 state entries.
-
-        Raises:
-            ValueError: FP8 bits or residuals saved under another layout (the params of the group named).
-        """
-        ef = self.caster.method.needs_residual
-        keys = (FP8_KEY, FP8_RESIDUAL_KEY) if ef else (FP8_KEY,)
-        for hp, fragments in groups:
-            state = self.group_state(hp)
-            if self.state.fp8 is None or not ef:
-                for key in ((FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY) if self.state.fp8 is None else (FP8_RESIDUAL_KEY,)):
-                    state.pop(key, None)
-            for key in keys:
+            for key in (RESIDUAL_KEY, FP8_KEY, FP8_RESIDUAL_KEY):
                 if state.get(key) is not None and state[key].numel() != hp.numel():
                     names = sorted({f.name for f in fragments})
                     raise ValueError(f"export cast: saved {key} has {state[key].numel()} elements but the partition "
                                      f"holding {names} has {hp.numel()} (saved under another layout?)")
-        if self.state.fp8 is None:
-            return
-        saved = [self.group_state(hp) for hp, _ in groups]
-        scales = next((st[FP8_SCALES_KEY] for st in saved if st.get(FP8_SCALES_KEY) is not None), None)
-        if scales is None or any(st.get(FP8_KEY) is None for st in saved):
-            warn("the checkpoint has no FP8 export state: FP8 scales are set afresh and the FP8 served copy cast "
-                 "from the loaded masters" + (", FP8 residuals start at zero" if ef else ""))
-            self.fp8_afresh()
-            return
-        self.state.fp8.load_scales(scales)
-        self.state.fp8_residuals.clear()
-        zeroed = False
-        for i, st in enumerate(saved):
-            self.state.fp8_outs[i] = st.pop(FP8_KEY).to(torch.uint8).reshape(-1)
-            residual = st.pop(FP8_RESIDUAL_KEY, None)
-            if ef and residual is not None:
-                self.state.fp8_residuals[i] = residual.float().reshape(-1)
-            zeroed |= ef and residual is None  # created as zeros by fp8_shards
-            st.pop(FP8_SCALES_KEY, None)
-        if zeroed:
-            warn("the checkpoint has no FP8 error-feedback residuals (written with another method): they start at "
-                 "zero; its FP8 scales are kept")
-
-    def fp8_afresh(self) -> None:
-        """``format "fp8"``: forget the FP8 state (scales, bits, residuals) and cast the FP8 copy of the masters now,
-        at the last export's step, with fresh scales (collective): after a load that brought no FP8 state."""
-        if self.state.fp8 is None:
-            return
-        for hp, _ in self.groups():
+            if state.get(RESIDUAL_KEY) is not None:  # torch's Optimizer.load_state_dict casts float state to the
+                state[RESIDUAL_KEY] = state[RESIDUAL_KEY].to(RESIDUAL_DTYPES[self.caster.config.residual_dtype]
+                                                             ).view(hp.shape)  # param dtype: undo it
+            if self.state.fp8 is None or not self.caster.method.needs_residual:
+                state.pop(FP8_RESIDUAL_KEY, None)
+        snap = None if step is None else self._snapshot(groups, int(step))
+        self.state.restore(snap, self.shards(groups))
+        for hp, _ in groups:  # copied into the export state (or not wanted)
             for key in (FP8_KEY, FP8_RESIDUAL_KEY, FP8_SCALES_KEY):
-                self.optimizer.optimizer.state.get(hp, {}).pop(key, None)
-        self.state.fp8.scales = {}
-        self.state.fp8_outs.clear(), self.state.fp8_residuals.clear()
-        self.export_fp8(step=max(self.caster.step - 1, 0))
+                self.group_state(hp).pop(key, None)
+
+    def _snapshot(self, groups, step: int) -> ExportSnapshot:
+        """The :class:`~faircast_dist.export.ExportSnapshot` of the groups' loaded state (views of it)."""
+        states = [self.group_state(hp) for hp, _ in groups]
+        codes = {state.get(METHOD_KEY) for state in states}
+        code = next(iter(codes)) if len(codes) == 1 else None
+        scales = next((st[FP8_SCALES_KEY] for st in states if st.get(FP8_SCALES_KEY) is not None), None)
+        snap = ExportSnapshot(step, None if code is None else list(Method)[code],
+                              fp8_scales=scales if self.state.fp8 is not None else None)
+        entries = ((RESIDUAL_KEY, snap.residuals, None), (SERVED_KEY, snap.served, torch.bfloat16),
+                   (FP8_KEY, snap.fp8, torch.uint8), (FP8_RESIDUAL_KEY, snap.fp8_residuals, torch.float32))
+        for i, ((hp, fragments), state) in enumerate(zip(groups, states)):
+            for key, into, dtype in entries:
+                value = state.get(key)
+                if value is None:
+                    continue
+                value = value.view(-1) if dtype is None else value.to(dtype).view(-1)
+                for shard, start, master, out, _ in self.buffers(i, hp, fragments):
+                    into[shard] = value.narrow(0, start, (out if key == SERVED_KEY else master).numel())
+        return snap
 
     def _load_universal(self, folder: str) -> None:
         if not os.path.exists(os.path.join(folder, "zero", UNIVERSAL_STATE_FILE)):
@@ -497,6 +426,14 @@ class OptimizerExport:
             dist.all_reduce(flat.view(torch.int32), group=self.dp_group(0))
         flat = flat.cpu()
         return {name: flat.narrow(0, offset[name], numel[name]).clone() for name in names}
+
+
+def _own(store: dict, i: int, hp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``store[i]``, a zero 1-D tensor of ``dtype`` the size of group ``i``'s ``hp`` created at first use."""
+    t = store.get(i)
+    if t is None:
+        t = store[i] = torch.zeros(hp.numel(), dtype=dtype, device=hp.device)
+    return t
 
 
 def _flat_out(fragments: list[Fragment]) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, t
     """
     export = getattr(engine.optimizer, STATE_KEY, None)
     if export is not None and export.state.fp8 is not None:
-        full = export.state.full_fp8(export.fp8_shards(), export.reduce_max)
+        full = export.state.full_fp8(export.shards())
         yield from export.state.fp8.served(_served_bf16(engine, bucket_bytes), full)
         return
     yield from _served_bf16(engine, bucket_bytes)

@@ -94,7 +94,7 @@ class FlatPartitionExport(OptimizerExport):
         stock copy: fragments fused-cast, the padding between them copied (round to nearest)."""
         hp, fragments = self.groups()[i]
         dest, flat = dest.view(-1), hp.view(-1)
-        self._cast(hp, fragments, out=dest)
+        self._cast(i, hp, fragments, out=dest)
         end = 0  # the padding: every gap before, between and after the fragments
         for start, numel in sorted((f.start, f.numel) for f in fragments) + [(flat.numel(), 0)]:
             if start > end:

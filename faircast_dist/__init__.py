@@ -5,7 +5,7 @@ The casts exported here are the fast ones (:mod:`.fused`: the CPU kernel, Triton
 
 Modules: :mod:`.philox` (counter-based RNG), :mod:`.rounding` (the reference casts, bf16 and FP8), :mod:`.fp8` (FP8 scales), :mod:`.fused`
 (the kernels and their dispatch), :mod:`.shards`
-(global element indices), :mod:`.caster` (config + step + residuals), :mod:`.config`,
+(global element indices), :mod:`.caster` (config + step), :mod:`.export` (one rank's export and its checkpoints: every adapter's), :mod:`.config`,
 :mod:`.telemetry`, :mod:`.delta` (delta export). No module under it imports an adapter, a
 framework (DeepSpeed, Megatron, FSDP's internals) or the launcher (:mod:`faircast_run`).
 

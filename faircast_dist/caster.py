@@ -1,4 +1,4 @@
-"""The caster: one export-cast config, the export step, and error-feedback residuals.
+"""The caster: one export-cast config, the export step, and the casts of fp32 master shards.
 
 Class face (:class:`FairCaster`) for integrations and scripts; the functional casts are
 ``faircast_dist.cast_stochastic`` / ``cast_error_feedback`` (fused, :mod:`faircast_dist.fused`),
@@ -16,36 +16,6 @@ from faircast_dist.philox import derive_dither_key, derive_key
 from faircast_dist.rounding import cast_nearest
 
 
-def adopt_residuals(method: Method, saved: bool, saved_method: str | None = None) -> tuple[str, str | None]:
-    """The one rule for a checkpoint's error-feedback residuals (:meth:`FairCaster.load_state_dict`
-    and both integrations' loads).
-
-    Args:
-        method: the method now.
-        saved: the checkpoint holds residuals.
-        saved_method: the method the checkpoint was written with, when it records one (the
-            warning then says what happened).
-
-    Returns:
-        ``(action, warning)``: ``"keep"`` (reuse them exactly), ``"zero"`` (error feedback now,
-        none saved: start from zero residuals), ``"drop"`` (saved, another method now) or
-        ``"none"``; ``warning`` is the message to log for ``"zero"`` and ``"drop"``, else None.
-    """
-    if method.needs_residual:
-        if saved:
-            return "keep", None
-        if saved_method is None:
-            why = "the checkpoint holds no error-feedback residuals (and records no method)"
-        elif Method(saved_method).needs_residual:
-            why = "the checkpoint was written with error_feedback but its residuals are missing"
-        else:
-            why = f"switching from {saved_method} to error_feedback"
-        return "zero", f"{why}: residuals start at zero"
-    if saved:
-        return "drop", f"the checkpoint has error-feedback residuals but the method is now {method}: dropping them"
-    return "none", None
-
-
 class FairCaster:
     """Casts fp32 master shards to bf16 with the configured method.
 
@@ -53,17 +23,14 @@ class FairCaster:
         config: an :class:`ExportCastConfig` (or anything ``ExportCastConfig.from_value`` takes).
 
     Attributes:
-        step: number of completed exports (int); keys the random bits of stochastic rounding
-            (dithered rounding's bits do not depend on it).
-            Call :meth:`advance` once after each whole-model export.
-        residuals: error-feedback residuals owned by the caster, keyed by parameter name, used
-            when :meth:`cast` is not handed one (integrations keep theirs in the optimizer state).
+        step: the export step (int): keys the random bits of stochastic rounding (dithered rounding's bits do
+            not depend on it). :class:`~faircast_dist.export.ExportState` sets it for the adapters (the optimizer
+            steps the served copy is of); a script of its own calls :meth:`advance` between exports.
     """
 
     def __init__(self, config=None):
         self.config = ExportCastConfig.from_value(config)
         self.step = 0
-        self.residuals: dict[str, torch.Tensor] = {}
 
     @property
     def method(self) -> Method:
@@ -104,15 +71,16 @@ class FairCaster:
             index: global element indices (int64 tensor shaped like ``master``) or the int
                 global index of the first element of a contiguous shard (default 0: a whole param).
             out: optional bfloat16 tensor shaped like ``master``, written in place.
-            residual: error feedback only: the shard's residual, updated in place. When None,
-                ``self.residuals[name]`` is used (created as zeros on first use).
+            residual: error feedback only (required then): the shard's residual, updated in place
+                (:meth:`new_residual` makes a zero one).
             backend: see :func:`faircast_dist.fused.resolve_backend` (``"reference"``: plain torch).
 
         Returns:
             bfloat16 tensor shaped like ``master`` (``out`` when given).
 
         Raises:
-            TypeError / ValueError: on wrong dtypes or shapes (see :mod:`faircast_dist.rounding`).
+            TypeError / ValueError: on wrong dtypes or shapes (see :mod:`faircast_dist.rounding`), or error
+                feedback without ``residual``.
         """
         method = self.method
         if method is Method.NEAREST:
@@ -120,9 +88,8 @@ class FairCaster:
         if method.keyed:
             return fused.cast_stochastic(master, self.key(name), index, out, backend)
         if residual is None:
-            residual = self.residuals.get(name)
-            if residual is None:
-                residual = self.residuals[name] = self.new_residual(master)
+            raise ValueError(f"FairCaster.cast of {name!r}: error feedback needs the shard's residual "
+                             "(residual=caster.new_residual(master) to start from zero)")
         return fused.cast_error_feedback(master, residual, out, backend)
 
     def cast_flat(self, master: torch.Tensor, out: torch.Tensor, fragments, residual: torch.Tensor | None = None,
@@ -181,41 +148,17 @@ class FairCaster:
             for k, _, start, numel, _ in rows:
                 cast_nearest(masters[k].narrow(0, start, numel), outs[k].narrow(0, start, numel))
             return outs
-        keyed = method.keyed  # every keyed method is stochastic rounding in the kernel
+        keyed = method.keyed
         keys = {name: self.key(name, step) if keyed else (0, 0) for _, name, _, _, _ in rows}
         table = [(k, start, numel, index, *keys[name]) for k, name, start, numel, index in rows]
         targets = [o if o.device == m.device else torch.empty(m.shape, dtype=torch.bfloat16, device=m.device)
                    for m, o in zip(masters, outs)]
-        fused.cast_tensors(Method.STOCHASTIC if keyed else Method.ERROR_FEEDBACK, masters, targets, table, residuals,
-                           backend)
+        fused.cast_tensors(method.kernel, masters, targets, table, residuals, backend)
         for k, _, start, numel, _ in rows:
             if targets[k] is not outs[k]:
                 outs[k].narrow(0, start, numel).copy_(targets[k].narrow(0, start, numel))
         return outs
 
     def advance(self) -> None:
-        """Mark one whole-model export as done (stochastic rounding's next cast draws fresh bits)."""
+        """The next export draws the next step's bits (stochastic rounding: fresh bits)."""
         self.step += 1
-
-    def state_dict(self) -> dict:
-        """``{"config": dict, "step": int, "residuals": {name: tensor}}``: a snapshot (copies)."""
-        return {"config": self.config.to_dict(), "step": self.step,
-                "residuals": {k: v.clone() for k, v in self.residuals.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore step and residuals saved by :meth:`state_dict`.
-
-        Residuals are kept only when both the saved and the current method are error feedback.
-        Loading a state of another method is allowed (stochastic, dithered and nearest carry no
-        state beyond the step);
-        switching *to* error feedback starts from zero residuals.
-
-        Raises:
-            KeyError: if ``state`` lacks ``step``.
-        """
-        self.step = int(state["step"])
-        saved = ExportCastConfig.from_value(state.get("config"))
-        action, _ = adopt_residuals(self.method, bool(state.get("residuals")), saved.effective_method)
-        dtype = RESIDUAL_DTYPES[self.config.residual_dtype]
-        self.residuals = ({k: v.to(dtype, copy=True) for k, v in state.get("residuals", {}).items()}
-                          if action == "keep" else {})

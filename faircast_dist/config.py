@@ -19,7 +19,9 @@ import torch
 
 class Method(str, enum.Enum):
     """What the export cast does. A ``str`` (``Method.STOCHASTIC == "stochastic"``, f-strings give
-    the value), so a method can be compared with, and written as, its config spelling."""
+    the value), so a method can be compared with, and written as, its config spelling; ``Method(v)``
+    also takes the flag spelling with hyphens (``"error-feedback"``). It is what the kernels take
+    (:attr:`kernel`, :data:`faircast_dist.fused.KERNEL_CODES`)."""
 
     NEAREST = "nearest"
     STOCHASTIC = "stochastic"
@@ -28,6 +30,12 @@ class Method(str, enum.Enum):
 
     __str__ = str.__str__
     __format__ = str.__format__
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str) and "-" in value:
+            return cls.__members__.get(value.replace("-", "_").upper())
+        return None
 
     @property
     def needs_residual(self) -> bool:
@@ -39,13 +47,29 @@ class Method(str, enum.Enum):
         """Draws Philox random bits (stochastic and dithered rounding: the same kernel, other keys)."""
         return self in (Method.STOCHASTIC, Method.DITHERED)
 
+    @property
+    def kernel(self) -> "Method":
+        """The kernel that runs it: dithered rounding is the stochastic-rounding kernel with the dither key."""
+        return Method.STOCHASTIC if self.keyed else self
+
+
+class Format(str, enum.Enum):
+    """The served weights' format (a ``str``, like :class:`Method`): the model's bf16 params, or FP8 E4M3
+    linear weights beside them."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
 
 ENV = "FAIRCAST_EXPORT_CAST"  # the export_cast section from the environment (faircast-run)
 STATE_KEY = "export_cast"  # the config section, and the checkpoint / state entry, in every adapter
 MODES = ("nearest", "fair")
 METHODS = tuple(m.value for m in Method if m is not Method.NEAREST)  # the methods of mode "fair"
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FORMATS = ("bf16", "fp8")
+FORMATS = tuple(f.value for f in Format)
 FP8_SCALES = ("channel", "block")
 #: the params kept bf16 under ``format: "fp8"`` (a regex searched in the param name), as the RL stacks do: embeddings,
 #: the LM head, norms, MoE routers (HF ``mlp.gate``, Megatron ``router``) and shared-expert gates (HF
@@ -101,20 +125,22 @@ class ExportCastConfig:
     method: Method = Method.STOCHASTIC
     seed: int = 1234
     residual_dtype: str = "float32"
-    format: str = "bf16"
+    format: Format = Format.BF16
     fp8_scales: str = "channel"
     fp8_ue8m0: bool = False
     fp8_via_bf16: bool = False
     fp8_exclude: str = FP8_EXCLUDE
 
     def __post_init__(self):
-        if isinstance(self.method, str):
-            object.__setattr__(self, "method", self.method.replace("-", "_"))
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ConfigError(f"export_cast.mode must be one of {MODES}, got {self.mode!r}", "mode")
-        if not isinstance(self.method, str) or self.method not in METHODS:
+        try:  # held as the enum the kernels take ("error-feedback" too)
+            method = Method(self.method)
+        except ValueError:
+            method = None
+        if method is None or method is Method.NEAREST:
             raise ConfigError(f"export_cast.method must be one of {METHODS}, got {self.method!r}", "method")
-        object.__setattr__(self, "method", Method(self.method))  # held as the enum the kernels take
+        object.__setattr__(self, "method", method)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
             raise ConfigError(f"export_cast.seed must be an int64, got {self.seed!r}", "seed")
         if not isinstance(self.residual_dtype, str) or self.residual_dtype not in RESIDUAL_DTYPES:
@@ -122,6 +148,7 @@ class ExportCastConfig:
                               f"got {self.residual_dtype!r}", "residual_dtype")
         if not isinstance(self.format, str) or self.format not in FORMATS:
             raise ConfigError(f"export_cast.format must be one of {FORMATS}, got {self.format!r}", "format")
+        object.__setattr__(self, "format", Format(self.format))
         if not isinstance(self.fp8_scales, str) or self.fp8_scales not in FP8_SCALES:
             raise ConfigError(f"export_cast.fp8_scales must be one of {FP8_SCALES}, got {self.fp8_scales!r}",
                               "fp8_scales")
@@ -137,7 +164,7 @@ class ExportCastConfig:
             default = ExportCastConfig.__dataclass_fields__
             for field in ("fp8_scales", "fp8_ue8m0", "fp8_via_bf16", "fp8_exclude"):
                 if getattr(self, field) != default[field].default:
-                    raise ConfigError(f"export_cast.{field} is set but format is {self.format!r}: give "
+                    raise ConfigError(f"export_cast.{field} is set but format is {str(self.format)!r}: give "
                                       f"format \"fp8\" to serve FP8 weights", field)
         if self.fp8_via_bf16 and self.mode == "fair":
             raise ConfigError("export_cast.fp8_via_bf16 (the stacks' double rounding) is for round-to-nearest "
@@ -151,7 +178,7 @@ class ExportCastConfig:
     @property
     def fp8(self) -> bool:
         """FP8 weights are served (``format: "fp8"``)."""
-        return self.format == "fp8"
+        return self.format is Format.FP8
 
     @property
     def effective_method(self) -> Method:
@@ -187,7 +214,7 @@ class ExportCastConfig:
 
     def to_dict(self) -> dict:
         """The fields as plain values (``{"mode": str, "method": str, "seed": int, "residual_dtype": str, ...}``)."""
-        return {**dataclasses.asdict(self), "method": self.method.value}
+        return {**dataclasses.asdict(self), "method": self.method.value, "format": self.format.value}
 
 
 def env_config(environ=os.environ) -> ExportCastConfig | None:

@@ -1,26 +1,33 @@
-"""One rank's export state, written once for every adapter (docs/design.md, "The adapter protocol").
+"""One rank's export, written once for every adapter (docs/design.md, "The adapter protocol").
 
-An adapter (DeepSpeed, Megatron, FSDP2, a fourth one) finds the rank's *shards* — an fp32 master
-slice, the bf16 tensor it is served into and the global element offsets of its param runs — and
-wires the framework's hooks to call :meth:`ExportState.export` when the masters have been stepped
-and :meth:`ExportState.replay` when the framework copies the masters again outside a step. Everything
-else is here, once: the caster and its export step, the error-feedback residuals keyed by shard, the
-served copy error feedback replays from, the telemetry observer, the rule for a checkpoint's residuals
-(:meth:`ExportState.adopt`) and the one warning channel (:func:`warn`).
+An adapter (DeepSpeed, Megatron, FSDP2, a fourth one) finds the rank's *shards* — an fp32 master slice, the
+bf16 tensor it is served into and the global element offsets of its param runs — and calls:
 
-Saving and loading stay the adapter's glue (each framework checkpoints its own way: DeepSpeed's
-optimizer state, Megatron's ``sharded_state_dict``, DCP for FSDP2); it reads and writes
-:attr:`ExportState.residuals` and :attr:`ExportState.step`, and calls :meth:`ExportState.adopt` once per load.
+* :meth:`ExportState.export` once per optimizer step, after the masters changed: the bf16 cast of every shard,
+  the FP8 served copy (``format "fp8"``: one MAX all-reduce of the scales' absmax), the export step, the
+  telemetry, the served copy error feedback replays from. A framework that steps and casts one group at a time
+  (DeepSpeed) calls :meth:`ExportState.begin`, :meth:`ExportState.cast` per group, then
+  :meth:`ExportState.finish`;
+* :meth:`ExportState.replay` where the framework copies the masters into the model again outside a step;
+* :meth:`ExportState.snapshot` when the framework checkpoints and :meth:`ExportState.restore` when it loads:
+  the adapter only translates an :class:`ExportSnapshot` to and from its framework's checkpoint (DeepSpeed's
+  optimizer state, Megatron's ``sharded_state_dict``, DCP for FSDP2); :meth:`ExportState.restart` after the
+  masters were replaced by the served model (a model-only load, a weight reload).
+
+The rules live here, once: which export step draws which bits, what a checkpoint's residuals and FP8 state
+become under the method now (:func:`residual_rule`, :class:`Fp8Restore`), and the one warning channel
+(:func:`warn`).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
-from typing import Hashable, MutableMapping, Sequence
+from typing import Hashable, MutableMapping, NamedTuple, Sequence
 
 import torch
 
-from faircast_dist.caster import FairCaster, adopt_residuals
+from faircast_dist.caster import FairCaster
 from faircast_dist.config import ExportCastConfig, Method
 from faircast_dist.fp8 import Fp8Export
 from faircast_dist.telemetry import ExportObserver
@@ -45,20 +52,74 @@ def fp8_note(state: "ExportState") -> str:
             f"{', UE8M0' if fp8.layout.ue8m0 else ''}, {rounding})")
 
 
+class Residuals(enum.Enum):
+    """What a load does with a checkpoint's error-feedback residuals (:func:`residual_rule`)."""
+
+    KEEP = "keep"  #: error feedback now and saved: reused exactly
+    ZERO = "zero"  #: error feedback now, none saved: they start at zero (warned)
+    DROP = "drop"  #: saved, but the method is no longer error feedback: dropped (warned)
+    NONE = "none"  #: neither
+
+
+class Fp8Restore(enum.Enum):
+    """What a load does with a checkpoint's FP8 export state (``format "fp8"``)."""
+
+    KEEP = "keep"  #: scales and served bits as saved (error feedback: its FP8 residuals too)
+    RECAST = "recast"  #: scales as saved; the bits cast again from the loaded masters at the export step (exact)
+    ZERO = "zero"  #: error feedback without saved FP8 residuals: scales as saved, residuals from zero (warned)
+    AFRESH = "afresh"  #: no FP8 state: scales set afresh and the copy cast from the loaded masters (warned)
+
+
+class Restored(NamedTuple):
+    """What :meth:`ExportState.restore` did: ``residuals`` (:class:`Residuals`), ``fp8`` (:class:`Fp8Restore`,
+    None without FP8 served weights) and ``served``: the snapshot's served bf16 values were written back."""
+
+    residuals: Residuals
+    fp8: Fp8Restore | None
+    served: bool
+
+
+def residual_rule(method: Method, saved: bool, saved_method: Method | str | None = None) -> tuple[Residuals, str | None]:
+    """The one rule for a checkpoint's error-feedback residuals.
+
+    Args:
+        method: the method now.
+        saved: the checkpoint holds residuals.
+        saved_method: the method the checkpoint was written with, when it records one (the warning then says what
+            happened).
+
+    Returns:
+        ``(rule, warning)``: the :class:`Residuals` case and, for ``ZERO`` and ``DROP``, the message to log.
+    """
+    if method.needs_residual:
+        if saved:
+            return Residuals.KEEP, None
+        if saved_method is None:
+            why = "the checkpoint holds no error-feedback residuals (and records no method)"
+        elif Method(saved_method).needs_residual:
+            why = "the checkpoint was written with error_feedback but its residuals are missing"
+        else:
+            why = f"switching from {Method(saved_method)} to error_feedback"
+        return Residuals.ZERO, f"{why}: residuals start at zero"
+    if saved:
+        return Residuals.DROP, f"the checkpoint has error-feedback residuals but the method is now {method}: dropping them"
+    return Residuals.NONE, None
+
+
 @dataclasses.dataclass
 class Shard:
     """One piece of a rank's masters and where it is served.
 
     Attributes:
         key: names the shard on this rank, the same at every export (e.g. ``id`` of its param, or
-            ``(id, start, end)``); residuals and the served copy are kept under it.
+            ``(id, start, end)``); residuals, FP8 buffers, the served copy and snapshots are kept under it.
         master: float32 1-D contiguous tensor: the fp32 master elements the rank casts.
         out: bfloat16 1-D tensor indexed like ``master``: what the rank serves (written in place).
         runs: ``(param name, start in the shard, numel, global index of its first element)`` per run
             of consecutive global indices (:func:`faircast_dist.shards.index_runs`).
         counted: the drift telemetry counts this shard on this rank (each element once over all ranks).
         residual: error feedback, where the adapter keeps the shard's residual inside a larger one
-            (DeepSpeed stage 0: a view of its group's): that view (1-D, like ``master``); None: the
+            (DeepSpeed: a view of its group's, in the optimizer state): that view (1-D, like ``master``); None: the
             state's own residual of ``key``.
         fp8: ``format "fp8"``: where the adapter keeps the shard's FP8 served bits, a uint8 1-D view
             indexed like ``master`` (E4M3 bit patterns; only FP8 params' runs are written); None: the
@@ -77,23 +138,62 @@ class Shard:
     fp8_residual: torch.Tensor | None = None
 
 
+@dataclasses.dataclass
+class ExportSnapshot:
+    """A rank's export state as a checkpoint holds it (:meth:`ExportState.snapshot`, :meth:`ExportState.restore`).
+
+    Per-element entries are keyed by shard key, each a 1-D tensor indexed like the shard's master (the snapshot of
+    a live state holds views: write it out before the next export). An adapter translates it to and from its
+    framework's checkpoint; an entry the checkpoint lacks is left out.
+
+    Attributes:
+        step: the export step (the optimizer steps the served copy is of).
+        method: the method that served (None: the checkpoint records none).
+        seed: the seed of the random bits (None: not recorded).
+        residuals: error feedback: ``{key: residual}`` (any float dtype; where the method now is not error feedback
+            an adapter that did not read them may give None values: the rule only drops them).
+        served: ``{key: bfloat16}``: what was served (restored into the shards' ``out`` on load).
+        fp8_scales: ``format "fp8"``: ``{param name: float32 scales}``; None: no FP8 state saved.
+        fp8: ``{key: uint8}``: the E4M3 bits served.
+        fp8_residuals: ``{key: float32}``: error feedback's FP8 residuals.
+    """
+
+    step: int
+    method: Method | None = None
+    seed: int | None = None
+    residuals: dict = dataclasses.field(default_factory=dict)
+    served: dict = dataclasses.field(default_factory=dict)
+    fp8_scales: dict | None = None
+    fp8: dict = dataclasses.field(default_factory=dict)
+    fp8_residuals: dict = dataclasses.field(default_factory=dict)
+
+
 class ExportState:
     """The export state of one rank of one adapter instance (an optimizer, a model).
+
+    The export step is the number of optimizer steps the served copy is of: the export after the k-th step draws
+    stochastic rounding's key ``k``, an export of the masters without a step in between (the install-time one, a
+    recast after a load) the key of the step it stands at, so every step's export draws fresh bits and a resumed
+    run draws what the uninterrupted one did.
 
     Args:
         config: an :class:`~faircast_dist.ExportCastConfig` (or what ``ExportCastConfig.from_value``
             takes), or a :class:`~faircast_dist.FairCaster` to use as is.
-
-        residuals: where the residuals live (default: a dict of their own); an adapter whose
-            framework checkpoints a state of its own may back them with it (a mutable mapping:
-            DeepSpeed keeps them in the optimizer state, so DeepSpeed's checkpoints carry them).
+        residuals: where the residuals live (default: a dict of their own); an adapter whose framework moves its
+            state around may back them with it (a mutable mapping: DeepSpeed keeps them in the optimizer state,
+            which ``offload_states`` moves).
         replays: the framework writes the served tensors again outside a step (Megatron copies the
             masters into its bf16 params on a load or a rebuild): error feedback keeps what each export
-            served for :meth:`replay`. False where the served buffers are the adapter's own (FSDP2).
+            served for :meth:`replay`. False where nothing overwrites them (DeepSpeed, FSDP2).
         shapes: ``format "fp8"`` (required then): ``{param name: full shape}`` of every param of the model,
             the same on every rank (:class:`~faircast_dist.fp8.Fp8Export` picks the FP8 ones).
         fused: ``format "fp8"``: ``{param name: FusedRows}`` of params fused from checkpoint tensors
             (:class:`~faircast_dist.fp8.Fp8Export`'s).
+        group: ``format "fp8"``: the process group over which ranks share the model's params, which MAX-reduces
+            the FP8 scales' absmax and gathers the FP8 copy (None: the default group; nothing without
+            ``torch.distributed``).
+        device: where that reduction runs (NCCL: the rank's CUDA device; default: the tensor's own).
+        replicated: every rank holds every element (DeepSpeed stage 0): nothing to reduce.
 
     Attributes:
         caster: the :class:`~faircast_dist.FairCaster`: config, method and export step.
@@ -113,7 +213,8 @@ class ExportState:
     """
 
     def __init__(self, config=None, residuals: MutableMapping | None = None, replays: bool = True,
-                 shapes: dict | None = None, fused: dict | None = None):
+                 shapes: dict | None = None, fused: dict | None = None, group=None, device=None,
+                 replicated: bool = False):
         self.caster = config if isinstance(config, FairCaster) else FairCaster(config)
         self.replays = replays
         self.residuals: MutableMapping[Hashable, torch.Tensor] = {} if residuals is None else residuals
@@ -124,6 +225,7 @@ class ExportState:
         self.fp8 = Fp8Export(self.caster, shapes, fused) if self.config.fp8 else None
         self.fp8_outs: dict[Hashable, torch.Tensor] = {}
         self.fp8_residuals: dict[Hashable, torch.Tensor] = {}
+        self.group, self.device, self.replicated = group, device, replicated
 
     @property
     def config(self) -> ExportCastConfig:
@@ -135,14 +237,43 @@ class ExportState:
 
     @property
     def step(self) -> int:
-        """Exports done (keys stochastic rounding's bits)."""
+        """The export step: the optimizer steps the served copy is of (keys stochastic rounding's bits)."""
         return self.caster.step
 
-    @step.setter
-    def step(self, value: int) -> None:
-        self.caster.step = int(value)
+    # -- the export -------------------------------------------------------------------------------------
+    def export(self, shards: Sequence[Shard], step: int | None = None) -> None:
+        """One export of the rank's masters: :meth:`begin`, :meth:`cast` of every shard, :meth:`finish`.
 
-    # -- the cast ---------------------------------------------------------------------------------------
+        ``step``: as for :meth:`begin`."""
+        self.begin(shards, step)
+        if shards:
+            with self.telemetry.span(shards[0].master.device):
+                self.cast(shards)
+        self.finish(shards)
+
+    def begin(self, shards: Sequence[Shard], step: int | None = None) -> None:
+        """Start an export, before anything served is written: set the export step and let the telemetry see
+        what is served now.
+
+        Args:
+            shards: every shard the export will cast (the telemetry's pieces).
+            step: the export step this export draws: the optimizer steps the masters have taken (default: one
+                more than the last export's; an adapter that knows better passes it: the step it stands at for a
+                recast without a step, the trainer's iteration after a model-only load).
+        """
+        self.caster.step = self.step + 1 if step is None else int(step)
+        self.telemetry.begin(lambda: self.pieces(shards))
+
+    def finish(self, shards: Sequence[Shard]) -> None:
+        """Complete the export begun by :meth:`begin` after its :meth:`cast` calls: the FP8 served copy of
+        ``shards`` (``format "fp8"``: collective, every rank calls it), the telemetry, and (error feedback) the
+        served copy kept for :meth:`replay`."""
+        if self.fp8 is not None:
+            with self.telemetry.span(shards[0].master.device if shards else "cpu"):
+                self.export_fp8(shards)
+        self.telemetry.end(lambda: self.pieces(shards))
+        self.keep_served(shards)
+
     def residual(self, key: Hashable, master: torch.Tensor) -> torch.Tensor | None:
         """Error feedback: the residual of shard ``key`` (created as zeros shaped like ``master`` at
         first use); else None."""
@@ -153,18 +284,26 @@ class ExportState:
             residual = self.residuals[key] = self.caster.new_residual(master)
         return residual
 
+    def _residual(self, s: Shard, create: bool = True) -> torch.Tensor | None:
+        """Shard ``s``'s residual, 1-D (its own view, else the state's; ``create``: made at first use, else None
+        where there is none yet)."""
+        if s.residual is not None:
+            residual = s.residual
+        elif create:
+            residual = self.residual(s.key, s.master)
+        else:
+            residual = self.residuals.get(s.key) if self.method.needs_residual else None
+        return None if residual is None else residual.view(-1)
+
     @torch.no_grad()
-    def cast(self, shards: Sequence[Shard], step: int | None = None) -> None:
-        """Cast ``shards`` into their ``out`` at export ``step`` (default: the current one) in one fused
-        multi-tensor call (:meth:`FairCaster.cast_tensors`); error feedback updates their residuals.
-        Advances nothing."""
+    def cast(self, shards: Sequence[Shard]) -> None:
+        """Cast ``shards`` into their ``out`` at the export step in one fused multi-tensor call
+        (:meth:`FairCaster.cast_tensors`); error feedback updates their residuals. Advances nothing."""
         if not shards:
             return
         fragments = [(k, *run) for k, s in enumerate(shards) for run in s.runs]
-        residuals = ([(s.residual if s.residual is not None else self.residual(s.key, s.master)).view(-1) for s in shards]
-                     if self.method.needs_residual else None)
-        self.caster.cast_tensors([s.master for s in shards], [s.out for s in shards], fragments, residuals,
-                                 step=step)
+        residuals = [self._residual(s) for s in shards] if self.method.needs_residual else None
+        self.caster.cast_tensors([s.master for s in shards], [s.out for s in shards], fragments, residuals)
 
     def fp8_shards(self, shards: Sequence[Shard]) -> list[Shard]:
         """``shards`` with their FP8 buffers: the state's own (zeros at first use, keyed by shard) where a
@@ -180,23 +319,32 @@ class ExportState:
             fp8_residual=s.fp8_residual if s.fp8_residual is not None or not ef
             else own(self.fp8_residuals, s.key, s.master, torch.float32)) for s in shards]
 
-    def export_fp8(self, shards: Sequence[Shard], reduce_max, step: int | None = None) -> None:
-        """``format "fp8"``: cast the FP8 params' elements of ``shards`` into their FP8 bits at export ``step``
-        (default: the current one) with the sticky scales (:meth:`faircast_dist.fp8.Fp8Export.export`;
-        ``reduce_max``: the MAX all-reduce over the ranks sharing the model, every rank calls this). Reports the
-        rescales and the FP8 copy's pieces to the telemetry. Nothing without FP8."""
+    def reduce_max(self, t: torch.Tensor) -> None:
+        """MAX all-reduce of ``t`` in place over :attr:`group` on :attr:`device` (nothing without
+        ``torch.distributed``, or where every rank holds every element)."""
+        if self.replicated or not torch.distributed.is_initialized():
+            return
+        on = t if self.device is None else t.to(self.device)
+        torch.distributed.all_reduce(on, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        if on is not t:
+            t.copy_(on)
+
+    def export_fp8(self, shards: Sequence[Shard]) -> None:
+        """``format "fp8"``: cast the FP8 params' elements of ``shards`` into their FP8 bits at the export step with
+        the sticky scales (:meth:`faircast_dist.fp8.Fp8Export.export`; collective: every rank calls it). Reports
+        the rescales and the FP8 copy's pieces to the telemetry. Nothing without FP8."""
         if self.fp8 is None:
             return
         shards = self.fp8_shards(shards)
         pieces = lambda: self.fp8_pieces(shards)  # noqa: E731  (called only by an observer that measures)
         self.telemetry.fp8_begin(self.fp8, pieces)
-        self.fp8.export(shards, reduce_max, step)
+        self.fp8.export(shards, self.reduce_max)
         self.telemetry.fp8(self.fp8, pieces)
 
-    def full_fp8(self, shards: Sequence[Shard], reduce_max) -> dict[str, torch.Tensor]:
+    def full_fp8(self, shards: Sequence[Shard]) -> dict[str, torch.Tensor]:
         """``format "fp8"``: ``{name: float8_e4m3fn full tensor}`` of the FP8 params, what the last export cast
-        (:meth:`faircast_dist.fp8.Fp8Export.full`; collective through ``reduce_max``, uint8)."""
-        return self.fp8.full(self.fp8_shards(shards), reduce_max)
+        (:meth:`faircast_dist.fp8.Fp8Export.full`; collective: one uint8 MAX all-reduce)."""
+        return self.fp8.full(self.fp8_shards(shards), self.reduce_max)
 
     def fp8_pieces(self, shards: Sequence[Shard]) -> list[tuple]:
         """What the telemetry measures of the FP8 copy of ``shards`` (with their FP8 buffers, :meth:`fp8_shards`):
@@ -211,27 +359,6 @@ class ExportState:
     def pieces(self, shards: Sequence[Shard]) -> list[tuple]:
         """What the telemetry measures of ``shards`` (:meth:`DriftSample.observe`'s pieces)."""
         return [(s.key, s.master, s.out, s.runs) for s in shards if s.counted]
-
-    def export(self, shards: Sequence[Shard], advance: bool = True, reduce_max=None) -> None:
-        """One export of the rank's masters: cast every shard (telemetry around it), the FP8 served copy
-        too (:meth:`export_fp8`), advance the export step, and (error feedback) keep what is served for
-        :meth:`replay`.
-
-        ``advance``: False where the adapter counts the export step itself (FSDP2 advances it at each
-        optimizer step and casts lazily, at the first all-gather after it). ``reduce_max``: as for
-        :meth:`export_fp8` (FP8 only)."""
-        pieces = lambda: self.pieces(shards)  # noqa: E731  (called only by an observer that measures)
-        self.telemetry.begin(pieces)
-        if shards:
-            with self.telemetry.span(shards[0].master.device):
-                self.cast(shards)
-        if self.fp8 is not None:
-            with self.telemetry.span(shards[0].master.device if shards else "cpu"):
-                self.export_fp8(shards, reduce_max)
-        if advance:
-            self.caster.advance()
-        self.telemetry.end(pieces)
-        self.keep_served(shards)
 
     @torch.no_grad()
     def keep_served(self, shards: Sequence[Shard]) -> None:
@@ -248,12 +375,9 @@ class ExportState:
 
     @torch.no_grad()
     def replay(self, shards: Sequence[Shard]) -> None:
-        """Write the last export into the shards' ``out`` again, bit for bit: the step does not
-        advance, the residuals and the telemetry are untouched (the served model has not changed).
-
-        Stochastic and dithered rounding recast the unchanged masters with the last export's keys;
-        before the first export the shards get the masters' round-to-nearest values (frameworks
-        build the masters from the bf16 model). Error feedback copies :attr:`served`.
+        """Write the last export into the shards' ``out`` again, bit for bit: the step does not advance, the
+        residuals and the telemetry are untouched (the served model has not changed). Stochastic and dithered
+        rounding recast the unchanged masters at the export step; error feedback copies :attr:`served`.
 
         Raises:
             KeyError: error feedback, a shard with no served copy (never exported nor kept).
@@ -261,43 +385,157 @@ class ExportState:
         if self.method.needs_residual:
             for s in shards:
                 s.out.copy_(self.served[s.key])
-        elif self.step == 0:
-            for s in shards:
-                s.out.copy_(s.master)
         else:
-            self.cast(shards, step=self.step - 1)
+            self.cast(shards)
 
     # -- checkpoints ------------------------------------------------------------------------------------
-    def restart(self, shards: Sequence[Shard]) -> None:
-        """The masters were replaced and match what is served (a model-only load, a weight reload):
-        zero the residuals (FP8 ones too) and keep what is served."""
-        for residual in [*self.residuals.values(), *self.fp8_residuals.values()]:
-            residual.zero_()
-        self.keep_served(shards)
+    def snapshot(self, shards: Sequence[Shard]) -> ExportSnapshot:
+        """The export state of ``shards`` as a checkpoint holds it: the step, the method, the seed, what is
+        served, error feedback's residuals and, with ``format "fp8"``, the scales, bits and FP8 residuals (views
+        of the live state, not copies)."""
+        ef = self.method.needs_residual
+        snap = ExportSnapshot(self.step, self.method, self.config.seed,
+                              residuals={s.key: self._residual(s) for s in shards} if ef else {},
+                              served={s.key: s.out for s in shards})
+        if self.fp8 is not None:
+            shards = self.fp8_shards(shards)
+            snap.fp8_scales = dict(self.fp8.scales)
+            snap.fp8 = {s.key: s.fp8 for s in shards}
+            snap.fp8_residuals = {s.key: s.fp8_residual for s in shards} if ef else {}
+        return snap
 
-    def adopt(self, saved: bool, saved_method: str | Method | None = None, warning: str | None = None) -> str:
-        """Apply the one rule for a loaded checkpoint's residuals
-        (:func:`faircast_dist.caster.adopt_residuals`) and warn once when they are not kept.
+    @torch.no_grad()
+    def restore(self, snapshot: ExportSnapshot | None, shards: Sequence[Shard], *, step: int | None = 0,
+                missing_residuals: str | None = None) -> Restored:
+        """Take a loaded checkpoint's export state, after the framework loaded the masters (and the model): the
+        one rule for every adapter, each case with one warning.
+
+        * No snapshot (a checkpoint written without Fair Cast): warned, then :meth:`restart` at ``step``.
+        * The export step is the snapshot's; a keyed method with another seed is warned.
+        * Residuals (:func:`residual_rule`): kept exactly, zeroed or dropped (:attr:`residuals` emptied, the
+          framework's store too).
+        * Served values in the snapshot are written into the shards' ``out``; error feedback keeps them for
+          :meth:`replay`.
+        * ``format "fp8"`` (:class:`Fp8Restore`): the saved scales and bits (error feedback: its FP8 residuals,
+          else zeros, warned); saved scales without bits: the copy cast again at the export step from the loaded
+          masters, which is what was served; no FP8 state: scales set afresh and the copy cast (warned). A cast
+          here is collective (every rank restores together).
 
         Args:
-            saved: the checkpoint holds error-feedback residuals (for this rank).
-            saved_method: the method the checkpoint was written with, when it records one.
-            warning: the adapter's own account, logged instead of the rule's when residuals are not
-                kept (e.g. Megatron: residuals written but not requested; ``""``: nothing, the
-                adapter has said it).
+            snapshot: what the adapter read from the checkpoint, or None.
+            shards: the rank's shards (their masters as loaded).
+            step: without a snapshot: the export step to continue from (None: left as it is: the adapter sets it
+                at the next export, Megatron from the trainer's iteration).
+            missing_residuals: the adapter's account of why error feedback's residuals were not loaded, said
+                instead of the rule's (Megatron: the checkpoint's content metadata did not ask for them).
 
         Returns:
-            ``"keep"`` (the adapter copies the saved residuals into :attr:`residuals`), ``"zero"``
-            (residuals zeroed here), ``"drop"`` (the saved ones are ignored) or ``"none"``.
+            :class:`Restored`.
+
+        Raises:
+            ValueError: a per-element entry whose size is not its shard's (saved under another layout), or FP8
+                scales that do not fit (:meth:`faircast_dist.fp8.Fp8Export.load_scales`).
         """
-        action, message = adopt_residuals(self.method, saved,
-                                          None if saved_method is None else str(saved_method))
-        if action == "zero":
-            for residual in self.residuals.values():
-                residual.zero_()
-        if warning is not None and action in ("zero", "drop"):
-            message = warning
+        ef = self.method.needs_residual
+        self.telemetry.reset()  # the served model is replaced: the next export primes again
+        if snapshot is None:
+            said = ["the export step " + ("follows the trainer's iteration" if step is None else f"is {step}")]
+            said += ["residuals start at zero"] * ef + ["FP8 scales are set afresh from the loaded masters"] * bool(self.fp8)
+            warn(f"the checkpoint has no export-cast state (written without Fair Cast?): {', '.join(said)}")
+            self.restart(shards, step)
+            return Restored(Residuals.ZERO if ef else Residuals.NONE, Fp8Restore.AFRESH if self.fp8 else None, False)
+        self.caster.step = int(snapshot.step)
+        if self.method.keyed and snapshot.seed is not None and snapshot.seed != self.config.seed:
+            warn(f"the checkpoint was written with seed {snapshot.seed}, the config now says {self.config.seed}: the "
+                 "random bits change from here")
+        rule, message = residual_rule(self.method, bool(snapshot.residuals), snapshot.method)
+        if rule is Residuals.ZERO and missing_residuals is not None:
+            message = missing_residuals
         if message:
             warn(message)
-        self.telemetry.reset()  # the served model is replaced: the next export primes again
-        return action
+        if rule is Residuals.KEEP:
+            for s in shards:
+                _take(self._residual(s), snapshot.residuals, s.key, "error-feedback residual")
+        elif rule is Residuals.ZERO:  # (zeros where there are residuals already; the others start so)
+            for s in shards:
+                residual = self._residual(s, create=False)
+                if residual is not None:
+                    residual.zero_()
+        elif rule is Residuals.DROP:
+            self.residuals.clear()
+        for s in shards:
+            if s.key in snapshot.served:
+                _take(s.out, snapshot.served, s.key, "served value")
+        self.keep_served(shards)
+        return Restored(rule, self._restore_fp8(snapshot, shards, rule), bool(snapshot.served))
+
+    def _restore_fp8(self, snapshot: ExportSnapshot, shards: Sequence[Shard], rule: Residuals) -> Fp8Restore | None:
+        """:meth:`restore`'s FP8 part (see there)."""
+        if self.fp8 is None or not self.fp8.shapes:  # (e.g. Megatron's expert optimizer with the experts bf16)
+            return None
+        ef = self.method.needs_residual
+        shards = self.fp8_shards(shards)
+        held = [s for s in shards if self.fp8.runs(s.runs)]
+        if snapshot.fp8_scales is None:
+            warn("the checkpoint has no FP8 export state: FP8 scales are set afresh from the loaded masters"
+                 + (", FP8 residuals start at zero" if ef else ""))
+            self._fp8_afresh(shards)
+            return Fp8Restore.AFRESH
+        self.fp8.load_scales(snapshot.fp8_scales)
+        bits = all(s.key in snapshot.fp8 for s in held)
+        if ef and not all(s.key in snapshot.fp8_residuals for s in held):
+            warn("the checkpoint has no FP8 error-feedback residuals: they start at zero; its FP8 scales are kept")
+            for s in shards:
+                s.fp8_residual.zero_()
+            fp8 = Fp8Restore.ZERO
+        else:
+            for s in held if ef else ():
+                _take(s.fp8_residual, snapshot.fp8_residuals, s.key, "FP8 residual")
+            fp8 = Fp8Restore.KEEP if bits else Fp8Restore.RECAST
+        if bits:
+            for s in held:
+                _take(s.fp8, snapshot.fp8, s.key, "FP8 bits")
+        else:
+            self.fp8.export(shards, self.reduce_max)
+        return fp8
+
+    def _fp8_afresh(self, shards: Sequence[Shard]) -> None:
+        """Forget the FP8 scales and residuals and cast the FP8 copy of the masters at the export step (collective)."""
+        self.fp8.scales = {}
+        shards = self.fp8_shards(shards)
+        for s in shards:
+            if s.fp8_residual is not None:
+                s.fp8_residual.zero_()
+        self.fp8.export(shards, self.reduce_max)
+
+    @torch.no_grad()
+    def restart(self, shards: Sequence[Shard], step: int | None = None) -> None:
+        """The masters were replaced by what is served (a model-only load, a weight reload): zero the residuals,
+        keep what is served and, with ``format "fp8"``, set the scales afresh and cast the FP8 copy of the new
+        masters (collective). ``step``: the export step to continue from (None: unchanged)."""
+        if step is not None:
+            self.caster.step = int(step)
+        for s in shards:
+            residual = self._residual(s, create=False)  # (none yet: it starts at zero)
+            if residual is not None:
+                residual.zero_()
+        self.keep_served(shards)
+        self.telemetry.reset()
+        if self.fp8 is not None:
+            self._fp8_afresh(shards)
+
+
+def _take(target: torch.Tensor, saved: dict, key: Hashable, what: str) -> None:
+    """Copy ``saved[key]`` into ``target`` (nothing where it is the same memory: a framework that loads in place).
+
+    Raises:
+        ValueError: ``key`` missing from ``saved``, or of another size than ``target`` (named).
+    """
+    if key not in saved:
+        raise ValueError(f"export cast: the checkpoint has no {what} for shard {key!r}")
+    value = saved[key].reshape(-1)
+    if value.numel() != target.numel():
+        raise ValueError(f"export cast: the checkpoint's {what} of shard {key!r} has {value.numel()} elements, the "
+                         f"shard {target.numel()} (saved under another layout?)")
+    if value.data_ptr() != target.data_ptr() or value.device != target.device:
+        target.view(-1).copy_(value)

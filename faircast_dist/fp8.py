@@ -419,8 +419,7 @@ class Fp8Export:
                 self.last_rescales += int(rescaled.sum())
         self.rescales += self.last_rescales
         scales = self.flat_scales(device) if self.shapes else absmax
-        cast = "stochastic" if method.keyed else "error_feedback" if method.needs_residual else "nearest"
-        fused.cast_fp8(cast, masters, [s.fp8 for s in held], table, scales, residuals,
+        fused.cast_fp8(method.kernel, masters, [s.fp8 for s in held], table, scales, residuals,
                        via_bf16=config.fp8_via_bf16, backend=backend)
 
     @torch.no_grad()

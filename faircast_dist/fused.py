@@ -41,9 +41,12 @@ from faircast_dist import rounding
 from faircast_dist.config import Method
 from faircast_dist.shards import index_runs  # noqa: F401  (also fused.index_runs: strided blocks -> segment rows)
 
-# the kernels, by the Method they run (dithered rounding is the stochastic one with other keys); a
-# Method is a str, so "stochastic" / "error_feedback" name them too
+#: the bf16 kernels, by the :class:`Method` they run (:attr:`Method.kernel`: dithered rounding is the stochastic one
+#: with other keys); a Method is a str, so "stochastic" / "error_feedback" name them too
 KERNELS = (Method.STOCHASTIC, Method.ERROR_FEEDBACK)
+#: the one table of the kernels' integer codes: ``Fp8Mode`` in ``csrc/fused_cast.cpp`` and ``MODE`` in
+#: :mod:`faircast_dist.fused_triton` (the FP8 casts; the bf16 ones have a function per method)
+KERNEL_CODES = {Method.NEAREST: 0, Method.STOCHASTIC: 1, Method.ERROR_FEEDBACK: 2}
 BACKENDS = ("auto", "cpu", "triton", "reference")
 BACKEND_ENV = "FAIRCAST_FUSED_BACKEND"  # overrides "auto" (e.g. "reference" to rule the kernels out)
 _CPU = {}  # "module": the built extension, or None after a failed build
@@ -70,13 +73,28 @@ def segment_table(rows: Sequence[Sequence[int]] | torch.Tensor, columns: int = 5
     return table
 
 
-def _check(method, masters, outs, table, residuals, single, fp8=False):
-    """Validate the buffers and rows of :func:`cast_tensors` (``single``: name them as cast_flat does;
-    ``fp8``: of :func:`cast_fp8` / :func:`fp8_absmax`, ``method`` None for the absmax)."""
+def kernel(method, fp8: bool = False) -> Method:
+    """The kernel that runs ``method`` (a :class:`Method` or its spelling): :attr:`Method.kernel`.
+
+    Raises:
+        ValueError: not a method, or one no kernel here runs (``nearest`` into bf16 is ``Tensor.to``).
+    """
     methods = FP8_METHODS if fp8 else KERNELS
-    if method is not None and method not in methods:
-        raise ValueError(f"method must be one of {methods}, got {method!r}")
-    if residuals is None and method == "error_feedback":
+    try:
+        run = Method(method).kernel
+    except ValueError:
+        run = None
+    if run not in methods:
+        raise ValueError(f"method must be one of {tuple(m.value for m in methods)} (or dithered), got {method!r}")
+    return run
+
+
+def _check(method, masters, outs, table, residuals, single, fp8=False) -> Method | None:
+    """Validate the buffers and rows of :func:`cast_tensors` (``single``: name them as cast_flat does;
+    ``fp8``: of :func:`cast_fp8` / :func:`fp8_absmax`, ``method`` None for the absmax); the kernel's
+    :class:`Method` (:func:`kernel`), None for the absmax."""
+    method = None if method is None else kernel(method, fp8)
+    if residuals is None and method is Method.ERROR_FEEDBACK:
         raise ValueError("error_feedback needs a residual")
     lists = [("master", masters, (torch.float32,))]
     if outs is not None:
@@ -96,7 +114,7 @@ def _check(method, masters, outs, table, residuals, single, fp8=False):
     if residuals is not None and len({r.dtype for r in residuals}) > 1:
         raise TypeError(f"residuals must share one dtype, got {sorted({str(r.dtype) for r in residuals})}")
     if table.numel() == 0:
-        return
+        return method
     tensor, start, numel, index, k0, k1 = table[:, :6].unbind(1)
     sizes = torch.tensor([min(t.numel() for t in ts) for ts in zip(*[x for _, x, _ in lists])] or [0], device="cpu")
     size = sizes[tensor.clamp(0, len(masters) - 1)]
@@ -115,6 +133,7 @@ def _check(method, masters, outs, table, residuals, single, fp8=False):
     if bool(overlap.any()):
         i = int(overlap.nonzero()[0, 0])
         raise ValueError(f"segment rows {int(order[i])} and {int(order[i + 1])} overlap in the buffer")
+    return method
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -314,7 +333,7 @@ def cast_tensors(method: str, masters: Sequence[torch.Tensor], outs: Sequence[to
 
 
 def _cast(method, masters, outs, table, residuals, backend, single):
-    _check(method, masters, outs, table, residuals, single)
+    method = _check(method, masters, outs, table, residuals, single)
     if not masters:
         return
     backend = resolve_backend(masters[0].device, backend)
@@ -322,7 +341,7 @@ def _cast(method, masters, outs, table, residuals, backend, single):
         module = _cpu_module()
         if module is None or masters[0].device.type != "cpu":
             raise ValueError(f"the cpu backend needs CPU tensors and a built kernel (device {masters[0].device})")
-        if method == "stochastic":
+        if method is Method.STOCHASTIC:
             module.cast_stochastic_multi(masters, outs, table)
         else:
             module.cast_error_feedback_multi(masters, residuals, outs, table)
@@ -337,7 +356,7 @@ def _cast(method, masters, outs, table, residuals, backend, single):
     else:
         for k, start, numel, index, k0, k1 in table.tolist():
             s = slice(start, start + numel)
-            if method == "stochastic":
+            if method is Method.STOCHASTIC:
                 rounding.cast_stochastic(masters[k][s], (k0, k1), index, out=outs[k][s])
             else:
                 rounding.cast_error_feedback(masters[k][s], residuals[k][s], out=outs[k][s])
@@ -385,7 +404,7 @@ def cast_stochastic(master: torch.Tensor, key: tuple[int, int], index: torch.Ten
     else:
         rows = index_runs(index)
     keys = torch.tensor([key], dtype=torch.int64, device="cpu").expand(rows.shape[0], 2)
-    cast_flat("stochastic", flat, target.view(-1), torch.cat([rows, keys], dim=1), backend=backend)
+    cast_flat(Method.STOCHASTIC, flat, target.view(-1), torch.cat([rows, keys], dim=1), backend=backend)
     return _written(target, out)
 
 
@@ -412,13 +431,13 @@ def cast_error_feedback(master: torch.Tensor, residual: torch.Tensor, out: torch
         return rounding.cast_error_feedback(master, residual, out)
     flat, target = _shard_buffers(master, out)
     rows = torch.tensor([[0, flat.numel(), 0, 0, 0]], dtype=torch.int64, device="cpu")
-    cast_flat("error_feedback", flat, target.view(-1), rows, residual.view(-1), backend=backend)
+    cast_flat(Method.ERROR_FEEDBACK, flat, target.view(-1), rows, residual.view(-1), backend=backend)
     return _written(target, out)
 
 
 # ----------------------------------------------------------------------------------------- fp32 -> FP8 E4M3
-#: :func:`cast_fp8`'s methods (dithered rounding is "stochastic" with the dither key)
-FP8_METHODS = ("nearest", "stochastic", "error_feedback")
+#: :func:`cast_fp8`'s kernels (dithered rounding is the stochastic one with the dither key)
+FP8_METHODS = (Method.NEAREST, Method.STOCHASTIC, Method.ERROR_FEEDBACK)
 #: columns of an FP8 segment row: the six of :func:`cast_tensors`, then the offset of the param's scales in the
 #: flat scales buffer, the weight's columns K and its block columns (0: channel scales; ceil(K / 128): blocks)
 FP8_COLUMNS = 9
@@ -506,7 +525,7 @@ def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.
     (``residuals`` updated in place) of ``masters[t][start:start + numel]`` with each element's scale, bit for bit.
 
     Args:
-        method: one of :data:`FP8_METHODS`.
+        method: a :class:`Method` (or its spelling): one of :data:`FP8_METHODS`, or dithered (the stochastic kernel).
         masters: float32 1-D contiguous tensors (one device).
         outs: uint8 1-D contiguous tensors indexed like ``masters`` (E4M3 bit patterns), written in place.
         segments: ``[S, 9]`` int64 rows, as :func:`fp8_absmax`; rows must not overlap.
@@ -519,8 +538,7 @@ def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.
     Raises:
         ValueError / TypeError: a bad method, backend, dtype, layout, row or scale (named).
     """
-    if method not in FP8_METHODS:
-        raise ValueError(f"method must be one of {FP8_METHODS}, got {method!r}")
+    method = kernel(method, fp8=True)
     table = segment_table(segments, columns=FP8_COLUMNS)
     _check(method, list(masters), list(outs), table, None if residuals is None else list(residuals), False, fp8=True)
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 1 \
@@ -528,8 +546,8 @@ def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.
         raise TypeError(f"scales must be a contiguous 1-D float32 tensor, got {getattr(scales, 'dtype', type(scales))} "
                         f"{tuple(getattr(scales, 'shape', ()))}")
     _check_fp8_rows(table, scales.numel())
-    if via_bf16 and method != "nearest":
-        raise ValueError(f"via_bf16 is for method 'nearest' only, got {method!r}")
+    if via_bf16 and method is not Method.NEAREST:
+        raise ValueError(f"via_bf16 is for method 'nearest' only, got {str(method)!r}")
     bad = ~(torch.isfinite(scales) & (scales > 0))
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
@@ -539,18 +557,18 @@ def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.
         return
     backend = _fp8_backend(masters[0].device, backend)
     if backend == "cpu":
-        _cpu_module().cast_fp8_multi(FP8_METHODS.index(method), list(masters),
+        _cpu_module().cast_fp8_multi(KERNEL_CODES[method], list(masters),
                                      [] if residuals is None else list(residuals), list(outs), table, scales, via_bf16)
     elif backend == "triton":
         from faircast_dist import fused_triton
-        fused_triton.cast_fp8(method, list(masters), list(outs), table, scales, residuals, via_bf16)
+        fused_triton.cast_fp8(KERNEL_CODES[method], list(masters), list(outs), table, scales, residuals, via_bf16)
     else:
         for tensor, start, numel, index, k0, k1, sidx in _fp8_rows_reference(table):
             x = masters[tensor].narrow(0, start, numel)
             scale = scales.reshape(-1)[sidx.to(scales.device)].to(x.device)
-            if method == "stochastic":
+            if method is Method.STOCHASTIC:
                 q = rounding.cast_fp8_stochastic(x, scale, (k0, k1), index)
-            elif method == "error_feedback":
+            elif method is Method.ERROR_FEEDBACK:
                 q = rounding.cast_fp8_error_feedback(x, scale, residuals[tensor].narrow(0, start, numel))
             else:
                 q = rounding.cast_fp8_nearest(x, scale, via_bf16=via_bf16)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from faircast_dist.config import Method
+
 try:
     import triton
     import triton.language as tl
@@ -167,7 +169,7 @@ if available():
     @triton.jit
     def _e4m3_code(y, s, r, STOCHASTIC: tl.constexpr):
         """E4M3 code (uint32: sign 0x80 | magnitude) of ``y / s`` (IEEE division; ``s`` finite > 0), saturated at
-        448; 0x7F where ``y`` is not finite."""
+        448; NaN (0x7F with ``y``'s sign) where ``y`` is not finite."""
         qb = tl.math.div_rn(y, s).to(tl.uint32, bitcast=True)
         ab = tl.minimum(qb & 0x7FFFFFFF, 0x43E00000)
         if STOCHASTIC:
@@ -178,8 +180,8 @@ if available():
             normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - 960
             sub = (ab.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
         code = tl.where(ab >= 0x3C800000, normal, sub)
-        yfin = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
-        return tl.where(yfin, ((qb & 0x80000000) >> 24) | code, 0x7F)
+        yb = y.to(tl.uint32, bitcast=True)  # (y's sign: s > 0; a GPU's division may drop a NaN's)
+        return ((yb & 0x80000000) >> 24) | tl.where((yb & 0x7FFFFFFF) < 0x7F800000, code, 0x7F)
 
     @triton.jit
     def _e4m3_value(code):
@@ -243,7 +245,7 @@ def tiles(table: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torc
     return seg, (first[seg] + offset) * BLOCK
 
 
-def cast_flat(method: str, master: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
+def cast_flat(method: Method, master: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
               residual: torch.Tensor | None = None, grid: tuple | None = None) -> None:
     """The Triton backend of :func:`faircast_dist.fused.cast_flat` (arguments checked there).
 
@@ -256,7 +258,7 @@ def cast_flat(method: str, master: torch.Tensor, out: torch.Tensor, table: torch
     seg, base = tiles(table, master.device) if grid is None else grid
     if seg.numel() == 0:
         return
-    ef = method == "error_feedback"
+    ef = method is Method.ERROR_FEEDBACK
     res = master if not ef else residual.view(torch.int16) if residual.dtype == torch.bfloat16 else residual
     _cast_kernel[(seg.numel(),)](master.view(torch.int32), out.view(torch.int16), res, table.to(master.device),
                                  seg, base, EF=ef, RES_BF16=ef and residual.dtype == torch.bfloat16, BLOCK=BLOCK,
@@ -300,12 +302,12 @@ def fp8_absmax(masters, table: torch.Tensor, absmax: torch.Tensor, residuals=Non
                                            BLOCK=BLOCK, **COMPILE_OPTIONS)
 
 
-def cast_fp8(method: str, masters, outs, table: torch.Tensor, scales: torch.Tensor, residuals=None,
+def cast_fp8(mode: int, masters, outs, table: torch.Tensor, scales: torch.Tensor, residuals=None,
              via_bf16: bool = False) -> None:
-    """The Triton backend of :func:`faircast_dist.fused.cast_fp8` (arguments checked there)."""
+    """The Triton backend of :func:`faircast_dist.fused.cast_fp8` (arguments checked there; ``mode``: the method's
+    :data:`faircast_dist.fused.KERNEL_CODES` entry)."""
     if not available():
         raise ValueError("the triton backend needs triton >= 3.0 (`pip install triton`)")
-    mode = {"nearest": 0, "stochastic": 1, "error_feedback": 2}[method]
     for k, rows, seg, base in _fp8_launches(table, masters[0].device):
         res = residuals[k] if residuals is not None else masters[k]
         _fp8_cast_kernel[(seg.numel(),)](masters[k].view(torch.int32), outs[k], res, scales, rows, seg, base,

@@ -228,7 +228,7 @@ def cast_error_feedback(master: torch.Tensor, residual: torch.Tensor,
 # fp32 pattern trick above does not hold (the spacing stops shrinking with the exponent), so the rounding works
 # on t = |y| / spacing, exact in fp32 (a power-of-two scaling): the two neighbours are floor(t) and floor(t) + 1
 # spacings. Saturation: |y| is clamped at E4M3_MAX (448) first, like PTX ``cvt.rn.satfinite.e4m3x2.f32``;
-# a non-finite y gives NaN (E4M3 has no Inf).
+# a non-finite y gives NaN with its sign (E4M3 has no Inf).
 E4M3_MAX = 448.0
 
 
@@ -258,7 +258,9 @@ def e4m3_round(y: torch.Tensor, bits16: torch.Tensor | None = None) -> torch.Ten
 
     Returns:
         float8_e4m3fn tensor shaped like ``y``: ±0 keep their sign, finite values saturate at ±448, NaN and ±Inf
-        give NaN. Round-to-nearest equals ``y.clamp(-448, 448).to(torch.float8_e4m3fn)`` on finite ``y``.
+        give NaN with their sign (``0x7f``, ``0xff``: E4M3 has no Inf, and a diverged master saturated to ±448
+        would pass for a weight). Round-to-nearest equals ``y.clamp(-448, 448).to(torch.float8_e4m3fn)`` on finite
+        ``y``.
     """
     if y.dtype != torch.float32:
         raise TypeError(f"e4m3_round: y must be float32, got {y.dtype}")
@@ -268,7 +270,7 @@ def e4m3_round(y: torch.Tensor, bits16: torch.Tensor | None = None) -> torch.Ten
     else:
         up = torch.floor(f * 65536).to(torch.int32) + bits16 >= 65536
     q = torch.copysign((k + up.float()) * spacing, y)  # exact: at most 5 significant bits
-    q = torch.where(torch.isfinite(y), q, torch.full_like(y, float("nan")))
+    q = torch.where(torch.isfinite(y), q, torch.copysign(torch.full_like(y, float("nan")), y))
     return q.to(torch.float8_e4m3fn)
 
 

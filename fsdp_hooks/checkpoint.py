@@ -1,6 +1,7 @@
 """Fair Cast state of an FSDP2 model in ``torch.distributed.checkpoint`` (DCP) checkpoints, the way
-torchtitan checkpoints: the export step and, for error feedback, the residuals and the served bf16
-shards, as DTensors sharded like the params, so DCP reshards them to any world size or mesh.
+torchtitan checkpoints: the export step, the served bf16 shards and, for error feedback, the residuals (FP8: the
+bits, scales and FP8 residuals), as DTensors sharded like the params, so DCP reshards them to any world size or
+mesh; the rules of a load are :meth:`faircast_dist.export.ExportState.restore`'s.
 
 * :func:`save` / :func:`load`: model, optimizer (``get_state_dict`` / ``set_state_dict``) and Fair
   Cast state in one DCP checkpoint; :func:`load` also takes a checkpoint without Fair Cast state
@@ -21,13 +22,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from faircast_dist.config import STATE_KEY as KEY
-from faircast_dist.export import ExportState, warn
+from faircast_dist.config import Method
+from faircast_dist.export import ExportSnapshot, residual_rule, warn
 
 
 class ExportCastState(Stateful):
-    """DCP ``Stateful`` of a model's Fair Cast state: ``{"step": int, "method": str, "seed": int}`` plus, for
-    error feedback, ``"residual"`` and ``"served"`` (``{name: DTensor}`` of each param's shape,
-    float32 / bfloat16), and with ``format "fp8"`` ``"fp8"`` (``{name: uint8 DTensor}``, the FP8 bits served),
+    """DCP ``Stateful`` of a model's Fair Cast state (its :meth:`faircast_dist.export.ExportState.snapshot`):
+    ``{"step": int, "method": str, "seed": int, "served": {name: bfloat16 DTensor}}`` (what was served, each
+    param's shape) plus, for error feedback, ``"residual"`` (``{name: DTensor}``, the residual dtype), and with
+    ``format "fp8"`` ``"fp8"`` (``{name: uint8 DTensor}``, the FP8 bits served),
     ``"fp8_scales"`` (``{name: float32 tensor}``, replicated) and, for error feedback, ``"fp8_residual"``
     (``{name: float32 DTensor}``): all resharded by DCP like the params.
 
@@ -49,53 +52,35 @@ class ExportCastState(Stateful):
     def state_dict(self) -> dict:
         ex = self.export
         ex.ensure()
-        state = {"step": ex.caster.step, "method": str(ex.caster.method), "seed": ex.caster.config.seed}
-        if ex.residuals is not None:
-            state["residual"], state["served"] = ex.dtensors(ex.residuals), ex.dtensors(ex.outs)
-        fp8 = ex.state.fp8
-        if fp8 is not None:
-            state["fp8"], state["fp8_scales"] = ex.dtensors(ex.buffers(ex.state.fp8_outs)), dict(fp8.scales)
-            if ex.residuals is not None:
-                state["fp8_residual"] = ex.dtensors(ex.buffers(ex.state.fp8_residuals))
+        snap = ex.state.snapshot(ex.shards())
+        state = {"step": snap.step, "method": str(snap.method), "seed": snap.seed, "served": ex.dtensors(snap.served)}
+        ef = ex.state.method.needs_residual
+        if ef:
+            state["residual"] = ex.dtensors(snap.residuals)
+        if snap.fp8_scales is not None:
+            state["fp8"], state["fp8_scales"] = ex.dtensors(snap.fp8), snap.fp8_scales
+            if ef:
+                state["fp8_residual"] = ex.dtensors(snap.fp8_residuals)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        _adopt(self.export, state, saved_residuals="residual" in state)
+        _restore(self.export, state, saved_residuals="residual" in state)
 
 
-def _adopt(ex, state: dict, saved_residuals: bool) -> None:
-    """Take a loaded state (``state``: what was requested of the checkpoint) into ``ex``: its step, and
-    its residuals and served shards as :meth:`faircast_dist.export.ExportState.adopt` rules
-    (``saved_residuals``: the checkpoint holds residuals, requested or not)."""
-    ex.caster.step = int(state["step"])
-    if state.get("seed", ex.caster.config.seed) != ex.caster.config.seed and ex.caster.method.keyed:
-        warn(f"fsdp_hooks.checkpoint: the checkpoint was written with seed {state['seed']}, the "
-             f"config now says {ex.caster.config.seed}: the random bits change from here")
-    fp8 = ex.state.fp8
-    saved_fp8 = fp8 is not None and "fp8_scales" in state
-    if saved_fp8:
-        fp8.load_scales(state["fp8_scales"])
-    elif fp8 is not None:
-        warn("fsdp_hooks.checkpoint: the checkpoint holds no FP8 export state: FP8 scales are set afresh at "
-             "the next export" + (", FP8 residuals start at zero" if ex.residuals is not None else ""))
-        fp8.scales = {}  # nothing of the model this process held before the load carries over
-        for residual in ex.state.fp8_residuals.values():
-            residual.zero_()
-    if ex.state.adopt(saved_residuals, state.get("method")) == "keep":
-        pairs = [("residual", ex.residuals), ("served", ex.outs)]
-        if saved_fp8:
-            pairs += [("fp8", ex.buffers(ex.state.fp8_outs)), ("fp8_residual", ex.buffers(ex.state.fp8_residuals))]
-        with torch.no_grad():
-            for key, buffers in pairs:
-                for target, loaded in zip(ex.dtensors(buffers).values(), state[key].values()):
-                    if loaded.to_local().data_ptr() != target.to_local().data_ptr():
-                        target.to_local().copy_(loaded.to_local())
-        if fp8 is not None and not saved_fp8:  # the bf16 export is the checkpoint's; the FP8 one is cast now
-            ex.state.export_fp8(ex.shards(), ex.reduce_max)
+def _restore(ex, state: dict | None, saved_residuals: bool, step: int = 0) -> None:
+    """Hand a loaded state (``state``: what was requested of the checkpoint; None: it holds none) to
+    :meth:`faircast_dist.export.ExportState.restore` (``saved_residuals``: the checkpoint holds residuals, requested
+    or not; ``step``: the export step without a state); the loaded served shards are the export until the next
+    optimizer step, else the next all-gather casts the loaded masters."""
+    snap = None if state is None else ExportSnapshot(
+        int(state["step"]), Method(state["method"]) if state.get("method") else None, state.get("seed"),
+        # (not requested: the method now is no error feedback, and the rule drops them)
+        residuals=ex.locals(state["residual"]) if "residual" in state else dict.fromkeys(ex.names) if saved_residuals
+        else {}, served=ex.locals(state.get("served")), fp8_scales=state.get("fp8_scales"),
+        fp8=ex.locals(state.get("fp8")), fp8_residuals=ex.locals(state.get("fp8_residual")))
+    if ex.state.restore(snap, ex.shards(), step=step).served:
         ex.loaded()
     else:
-        for residual in ex.state.fp8_residuals.values():  # error feedback now, none saved: from zero
-            residual.zero_()
         ex.invalidate()
 
 
@@ -147,11 +132,14 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     """
     model_sd, optim_sd = get_state_dict(model, optimizer)
     saved = set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+    saved_residuals = any(s.startswith(f"{KEY}.residual.") for s in saved)
     state = {"model": model_sd, "optimizer": optim_sd}
     if getattr(model, KEY, None) is None:  # Fair Cast off: model and optimizer only, residuals dropped
         dcp.load(state, checkpoint_id=checkpoint_id)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        ExportState().adopt(any(s.startswith(f"{KEY}.residual.") for s in saved))
+        _, message = residual_rule(Method.NEAREST, saved_residuals)
+        if message:
+            warn(message)
         return
     ours = ExportCastState(model)
     request = {k: v for k, v in ours.state_dict().items()
@@ -163,9 +151,5 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
         state[KEY] = request
     dcp.load(state, checkpoint_id=checkpoint_id)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    if "step" not in request:
-        steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
-        warn(f"fsdp_hooks.checkpoint: {checkpoint_id} holds no Fair Cast state: the export step follows "
-             f"the optimizer ({max(steps, default=0)})")
-        request["step"] = max(steps, default=0)
-    _adopt(ours.export, request, saved_residuals=any(s.startswith(f"{KEY}.residual.") for s in saved))
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]  # without Fair Cast state: the optimizer's
+    _restore(ours.export, request if "step" in request else None, saved_residuals, step=max(steps, default=0))

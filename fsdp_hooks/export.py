@@ -63,7 +63,8 @@ class FsdpExport:
         shapes = {n: tuple(fp.sharded_param.shape) for n, fp in zip(self.names, self.params)}
         fused = fused_experts(model, shapes, canonical_name) if caster.config.fp8 else None
         self.state = ExportState(caster, replays=False,  # outs are Fair Cast's own: nothing overwrites them
-                                 shapes=shapes, fused=fused)
+                                 shapes=shapes, fused=fused,  # FP8: every rank holds every param's DTensor
+                                 device=self.params[0].sharded_param.device if self.params else None)
         for name, fp in zip(self.names, self.params):
             if compat.padded_shard(fp).dtype != torch.float32:
                 raise TypeError(f"fsdp_hooks: param {name!r} is {compat.padded_shard(fp).dtype}: Fair Cast casts "
@@ -83,6 +84,7 @@ class FsdpExport:
             self.state.fp8_shards(self.shards())
         self._versions = None  # the params' version counters at the last export (None: never exported)
         self._hold = False  # outs were loaded: they are the export until the next optimizer step
+        self._stepped = 0  # optimizer steps since the last export (the next one draws the step they bring it to)
 
     @property
     def caster(self) -> FairCaster:
@@ -110,25 +112,13 @@ class FsdpExport:
         return [(id(fp.sharded_param), fp.sharded_param._version, id(compat.padded_shard(fp))) for fp in self.params]
 
     def export(self) -> None:
-        """Cast every local fp32 shard into :attr:`outs` at the current export step (one fused call), and with
-        ``format "fp8"`` into the FP8 buffers (collective: one MAX all-reduce of the scales' absmax).
-        The step advances when the optimizer steps (:meth:`stepped`), not here: the cast is lazy."""
-        self.state.export(self.shards(), advance=False, reduce_max=self.reduce_max)
+        """Cast every local fp32 shard into :attr:`outs` (one fused call), and with ``format "fp8"`` into the FP8
+        buffers (collective: one MAX all-reduce of the scales' absmax), at the export step of the optimizer steps
+        taken (:meth:`stepped`): the cast is lazy, and an export without a step in between (the first, or after an
+        in-place edit of the params) draws the step it stands at."""
+        self.state.export(self.shards(), step=self.state.step + self._stepped)
+        self._stepped = 0
         self._versions = self.versions()
-
-    def reduce_max(self, t: torch.Tensor) -> None:
-        """MAX all-reduce of ``t`` in place over the default process group (every rank holds every param's
-        DTensor), on the params' device (NCCL: CUDA); nothing without torch.distributed."""
-        if not torch.distributed.is_initialized():
-            return
-        device = self.params[0].sharded_param.device if self.params else t.device
-        on = t.to(device)
-        torch.distributed.all_reduce(on, op=torch.distributed.ReduceOp.MAX)
-        t.copy_(on)
-
-    def buffers(self, store: dict) -> list[torch.Tensor]:
-        """Per param, in :attr:`names` order, its buffer in ``store`` (``state.fp8_outs`` / ``state.fp8_residuals``)."""
-        return [store[n] for n in self.names]
 
     def ensure(self) -> None:
         """Export if the masters changed since the last export (not after a load: :meth:`loaded`)."""
@@ -140,15 +130,16 @@ class FsdpExport:
     def loaded(self) -> None:
         """Take :attr:`outs` (restored from a checkpoint) as the export of the masters until the next
         optimizer step, whenever the masters themselves are restored."""
-        self._hold = True
+        self._hold, self._stepped = True, 0
 
     def invalidate(self) -> None:
-        """Export again at the next all-gather (after a load that restored no served shards)."""
-        self._versions, self._hold = None, False
+        """Export again at the next all-gather, at the loaded export step (after a load that restored no served
+        shards)."""
+        self._versions, self._hold, self._stepped = None, False, 0
 
     def stepped(self) -> None:
         """The optimizer stepped: the next all-gather casts the new masters at the next export step."""
-        self.caster.advance()
+        self._stepped += 1
         self._versions, self._hold = None, False  # whatever the version counters say: AdamW(fused=True)
         # and optimizers that write p.data (HF Trainer's default is fused AdamW) move none of them
 
@@ -167,13 +158,23 @@ class FsdpExport:
             return None
         return output, (output,)
 
-    def dtensors(self, buffers: list[torch.Tensor]) -> dict:
-        """``{name: DTensor}``: each param's local block of ``buffers`` (e.g. :attr:`outs`), sharded
-        like the param (its mesh, placements, shape); no communication."""
+    def dtensors(self, buffers: dict) -> dict:
+        """``{name: DTensor}``: each param's local block of ``buffers`` (``{name: 1-D padded shard}``, e.g. a
+        snapshot's), sharded like the param (its mesh, placements, shape); no communication."""
         from torch.distributed.tensor import DTensor
         out = {}
-        for k, (name, fp) in enumerate(zip(self.names, self.params)):
+        for name, fp in zip(self.names, self.params):
             p, local = fp.sharded_param, fp.sharded_param._local_tensor
-            out[name] = DTensor.from_local(buffers[k][:local.numel()].view(local.shape), p.device_mesh, p.placements,
-                                           run_check=False, shape=p.shape, stride=p.stride())
+            out[name] = DTensor.from_local(buffers[name][:local.numel()].view(local.shape), p.device_mesh,
+                                           p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        return out
+
+    def locals(self, dtensors: dict | None) -> dict:
+        """``{name: 1-D tensor of FSDP's padded shard size}``: each loaded DTensor's local block, zero-padded as the
+        shard is (the inverse of :meth:`dtensors`); ``{}`` for None."""
+        out = {}
+        for name, fp in zip(self.names, self.params):
+            if dtensors and name in dtensors:
+                local, padded = dtensors[name].to_local().reshape(-1), compat.padded_shard(fp).numel()
+                out[name] = local if local.numel() == padded else torch.cat([local, local.new_zeros(padded - local.numel())])
         return out

@@ -36,7 +36,7 @@ def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         for name, shard in shards.items():
             yield name, shard.full_tensor()
         return
-    full = export.state.full_fp8(export.shards(), export.reduce_max)
+    full = export.state.full_fp8(export.shards())
     yield from export.state.fp8.served(((name, shard.full_tensor) for name, shard in shards.items()), full)
 
 
@@ -53,7 +53,7 @@ def served_shards(model: torch.nn.Module) -> dict[str, DTensor]:
     if export is None:
         raise ValueError("fsdp_hooks.served_shards: Fair Cast is not installed on this model (fsdp_hooks.install)")
     export.ensure()
-    return export.dtensors(export.outs)
+    return export.dtensors(dict(zip(export.names, export.outs)))
 
 
 def served_deltas(model: torch.nn.Module, tracker: DeltaTracker) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:

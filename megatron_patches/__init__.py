@@ -7,7 +7,7 @@ Three ways in, from least to most code:
 
        import megatron_patches; megatron_patches.activate()
 
-   Then ``--export-cast fair [--export-cast-method error-feedback] [--export-cast-seed 7]``
+   Then ``--export-cast fair [--export-cast-method error_feedback] [--export-cast-seed 7]``
    parse (the group is added to ``add_megatron_arguments``), and every optimizer built by
    ``get_megatron_optimizer`` reads them from ``get_args()``. With ``--tensorboard-dir`` or
    ``--wandb-project``, the drift telemetry (``export-cast/changed-fraction``, ``lag-steps``,
@@ -31,7 +31,6 @@ stock functions back.
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from typing import Optional
 
@@ -96,7 +95,7 @@ def _args_config() -> ExportCastConfig:
     config = config_from_args(args)
     differ = disagreements(args, env) if env is not None else []
     if differ and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        warn(f"the command line overrides {ENV}={json.dumps(env.to_dict())}: {'; '.join(differ)}; the run "
+        warn(f"the command line overrides {ENV} (which fills the rest): {'; '.join(differ)}; the run "
              f"casts {config.effective_method} (seed {config.seed}), as the arguments say")
     return config
 

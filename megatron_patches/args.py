@@ -1,7 +1,7 @@
 """The ``--export-cast`` arguments, as a Megatron-LM ``extra_args_provider``.
 
     --export-cast {nearest,fair}                     default nearest (stock round to nearest)
-    --export-cast-method {stochastic,error-feedback,dithered} default stochastic
+    --export-cast-method {stochastic,error_feedback,dithered} default stochastic (error-feedback: the same)
     --export-cast-seed INT                           default 1234
     --export-cast-residual-dtype {float32,bfloat16}  default float32 (error feedback's residual)
     --export-cast-format {bf16,fp8}                  default bf16 (fp8: FP8 E4M3 served weights too)
@@ -21,10 +21,9 @@ import argparse
 from typing import Callable, Optional
 
 from faircast_dist import ExportCastConfig
-from faircast_dist.config import FORMATS, METHODS, RESIDUAL_DTYPES, ConfigError, env_config
+from faircast_dist.config import FORMATS, FP8_SCALES, METHODS, MODES, RESIDUAL_DTYPES, ConfigError, Method, env_config
 
 GROUP_TITLE = "export cast (Fair Cast)"
-FLAG_METHODS = tuple(m.replace("_", "-") for m in METHODS)  # the flag spells error_feedback error-feedback
 FLAGS = {"mode": "--export-cast", "method": "--export-cast-method", "seed": "--export-cast-seed",
          "residual_dtype": "--export-cast-residual-dtype", "format": "--export-cast-format",
          "fp8_scales": "--export-cast-fp8-scales", "fp8_ue8m0": "--export-cast-fp8-ue8m0",
@@ -50,11 +49,10 @@ def add_export_cast_args(parser: argparse.ArgumentParser,
         return parser
     defaults = defaults or env_config() or ExportCastConfig()
     group = parser.add_argument_group(title=GROUP_TITLE)
-    group.add_argument("--export-cast", choices=["nearest", "fair"], default=defaults.mode,
+    group.add_argument("--export-cast", choices=list(MODES), default=defaults.mode,
                        help="How the fp32 master weights are cast to the bf16 model weights: "
                             "'nearest' (stock round to nearest) or 'fair' (Fair Cast).")
-    group.add_argument("--export-cast-method", choices=list(FLAG_METHODS), type=lambda v: v.replace("_", "-"),
-                       default=defaults.method.replace("_", "-"),
+    group.add_argument("--export-cast-method", choices=list(METHODS), type=_method, default=defaults.method.value,
                        help="With --export-cast fair: stochastic rounding (stateless), error "
                             "feedback (a residual per element, kept in the optimizer checkpoint) or "
                             "dithered rounding (stochastic rounding with a per-element dither fixed "
@@ -65,12 +63,12 @@ def add_export_cast_args(parser: argparse.ArgumentParser,
                        default=defaults.residual_dtype,
                        help="With --export-cast-method error-feedback: the residual's dtype (bfloat16 "
                             "halves its memory and rounds the residual itself).")
-    group.add_argument("--export-cast-format", choices=list(FORMATS), default=defaults.format,
+    group.add_argument("--export-cast-format", choices=list(FORMATS), default=defaults.format.value,
                        help="The served weights: 'bf16' (the model's bf16 params) or 'fp8': the 2-D linear weights "
                             "are also served as FP8 E4M3 with fp32 scales, cast from the fp32 masters by the "
                             "method (--export-cast nearest: round-to-nearest, what RL stacks do), for an FP8 "
                             "rollout engine (megatron_patches.served_weights).")
-    group.add_argument("--export-cast-fp8-scales", choices=["channel", "block"], default=defaults.fp8_scales,
+    group.add_argument("--export-cast-fp8-scales", choices=list(FP8_SCALES), default=defaults.fp8_scales,
                        help="With --export-cast-format fp8: 'channel', one fp32 scale per output row (weight_scale "
                             "[N, 1], vLLM's compressed-tensors FP8_DYNAMIC); 'block', one per 128x128 block "
                             "(weight_scale_inv, DeepSeek-V3 / Qwen3-FP8), the blocks of the checkpoint's q/k/v and "
@@ -127,6 +125,15 @@ def config_from_args(args) -> ExportCastConfig:
     return config
 
 
+def _method(value: str) -> str:
+    """The method flag's value as the config spells it (``error-feedback`` is taken too); a plain ``str`` in the
+    namespace (Megatron-LM saves its arguments in checkpoints)."""
+    try:
+        return Method(value).value
+    except ValueError:
+        return value  # argparse names it against the choices
+
+
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
@@ -135,9 +142,7 @@ def _values(args) -> dict:
     """``{ExportCastConfig field: value}`` of the flags in ``args`` (absent flags: the defaults)."""
     default = ExportCastConfig()
     values = {field: getattr(args, _dest(flag), getattr(default, field)) for field, flag in FLAGS.items()}
-    if isinstance(values["method"], str):
-        values["method"] = values["method"].replace("-", "_")
-    return values
+    return {**values, "method": _method(values["method"])}  # (a namespace built by hand may spell it either way)
 
 
 def disagreements(args, defaults: ExportCastConfig) -> list[str]:
@@ -145,5 +150,5 @@ def disagreements(args, defaults: ExportCastConfig) -> list[str]:
     difference is a flag given on the command line): ``"--flag VALUE (command line) over FIELD
     VALUE"`` items, in flag order; ``[]`` when they agree."""
     values = _values(args)
-    return [f"{flag} {getattr(args, _dest(flag), values[field])!s} (command line) over {field} "
-            f"{getattr(defaults, field)!s}" for field, flag in FLAGS.items() if values[field] != getattr(defaults, field)]
+    return [f"{flag} {values[field]!s} (command line) over {field} {getattr(defaults, field)!s}"
+            for field, flag in FLAGS.items() if values[field] != getattr(defaults, field)]

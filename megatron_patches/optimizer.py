@@ -22,9 +22,12 @@ bf16 ranges are cast: one pass over each master, not two. So each
 rank casts exactly the master elements it owns, and every element's bits are independent of the
 layout; TP/DP replicas cast identical masters and get identical bits without communication.
 
-State (in :class:`MegatronExport`, carried by the optimizer's ``sharded_state_dict``):
+State (the :class:`~faircast_dist.export.ExportState`'s snapshot, carried by the optimizer's
+``sharded_state_dict``; :meth:`MegatronExport.sharded_state` and :meth:`MegatronExport.load` translate it):
 
-* ``step`` — exports done (int, keys the random bits), saved as common state;
+* ``step`` — the export step (int, keys the random bits) and ``method``, saved as common state;
+* ``format "fp8"``: the sticky scales (a ShardedObject per leaf optimizer) and the FP8 bits served (like the
+  residuals below, in model space; error feedback also its FP8 residuals);
 * error feedback: one residual per owned master shard (``residual_dtype``, shaped like the
   shard), saved in *model space*: a ShardedTensor per param with the model param's own
   checkpoint metadata, key ``optimizer.export_cast.residual.<model key>``. So residuals reshard
@@ -55,7 +58,8 @@ import torch
 from faircast_dist import ExportCastConfig, FairCaster
 from faircast_dist.config import STATE_KEY
 from faircast_dist.copy_hook import ReplaceCopies
-from faircast_dist.export import ExportState, Shard, fp8_note, warn
+from faircast_dist.config import RESIDUAL_DTYPES, Method
+from faircast_dist.export import ExportSnapshot, ExportState, Shard, fp8_note
 from faircast_dist.fp8 import fp8_param
 from faircast_dist.shards import from_bits, to_bits
 from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
@@ -66,6 +70,7 @@ from megatron_patches.layout import ParamLayout, describe_model, fused_rows, mod
 RESIDUALS_METADATA_KEY = "export_cast_residuals"  # in the checkpoint's content metadata
 RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.residual."
 FP8_METADATA_KEY = "export_cast_fp8"  # in the content metadata: the checkpoint holds FP8 export state
+FP8_BITS_METADATA_KEY = "export_cast_fp8_bits"  # ... and the FP8 bits served, whatever the method
 FP8_PREFIX = f"optimizer.{STATE_KEY}.fp8."
 FP8_RESIDUAL_PREFIX = f"optimizer.{STATE_KEY}.fp8_residual."
 
@@ -104,7 +109,9 @@ class MegatronExport:
                  iteration: Callable[[], int | None] | None = None, shapes: dict | None = None, index: int = 0,
                  fused: dict | None = None):
         self.optimizer, self.model_chunks = optimizer, list(model_chunks)
-        self.state = ExportState(caster, shapes=shapes, fused=fused)
+        # FP8: a channel spans TP ranks, the DistributedOptimizer's DP shards, and only the ranks of a stage hold a
+        # layer: the scales' absmax is reduced over the world, on the params' device
+        self.state = ExportState(caster, shapes=shapes, fused=fused, device=self.device())
         self.index = index  # the leaf's position among the ranks' leaves (names its FP8 scales in checkpoints)
         self.iteration = iteration or (lambda: None)
         self.step_from_iteration = False  # set by reloaded(): the next export takes self.iteration()
@@ -180,37 +187,30 @@ class MegatronExport:
         return out
 
     def export(self) -> None:
-        """Write the Fair Cast of this rank's masters into its bf16 targets; advance the step.
+        """Write the Fair Cast of this rank's masters into its bf16 targets (the export of this optimizer step,
+        :meth:`faircast_dist.export.ExportState.export`; after a model-only load its step is the trainer's
+        iteration's).
 
         One fused multi-tensor call for all master shards (like ``multi_tensor_applier`` for the
         stock copy): each shard's segments are the runs of consecutive global indices (one for a
         contiguous range, one per row of a TP block split on a later dim). Error feedback also
         keeps a copy of what it wrote (:meth:`replay` needs it).
         """
+        step = None
         if self.step_from_iteration:
             self.step_from_iteration = False
-            iteration = self.iteration()
-            if iteration is not None:
-                self.caster.step = int(iteration)
-        self.state.export(self._operands(self.shards()), reduce_max=self.reduce_max)
+            iteration = self.iteration()  # the steps done before this one (Megatron-LM's args.curr_iteration)
+            step = None if iteration is None else int(iteration) + 1
+        self.state.export(self._operands(self.shards()), step)
 
-    def reduce_max(self, t: torch.Tensor) -> None:
-        """MAX all-reduce of ``t`` in place over the world (``format "fp8"``: a channel spans TP ranks, the
-        DistributedOptimizer's DP shards, and only the ranks of a stage hold a layer), on the params' device."""
-        if not torch.distributed.is_initialized():
-            return
-        on = t.to(self.device())
-        torch.distributed.all_reduce(on, op=torch.distributed.ReduceOp.MAX)
-        t.copy_(on)
-
-    def export_fp8(self, step: int | None = None) -> None:
-        """``format "fp8"``: cast the FP8 served copy of the masters (collective; nothing else changes)."""
-        self.state.export_fp8(self._operands(self.shards(), check=False), self.reduce_max, step)
+    def operands(self) -> list[Shard]:
+        """This rank's shards as the core's, unchecked (FP8, checkpoints)."""
+        return self._operands(self.shards(), check=False)
 
     def full_fp8(self) -> dict:
         """``format "fp8"``: ``{canonical name: float8_e4m3fn full tensor}`` of this leaf's FP8 params
         (collective: one uint8 MAX all-reduce of the FP8 params' elements)."""
-        return self.state.full_fp8(self._operands(self.shards(), check=False), self.reduce_max)
+        return self.state.full_fp8(self.operands())
 
     def replay(self) -> None:
         """Write the last export into the bf16 targets again, bit for bit (the step does not advance,
@@ -272,15 +272,8 @@ class MegatronExport:
         iteration when known (Megatron-LM: the checkpoint's, 0 after ``--finetune``), so a
         model-only load continues the export step as DeepSpeed's module-only load does.
         ``format "fp8"``: the FP8 copy of the new masters is cast now, scales set afresh (collective)."""
-        self._served_from_model()
+        self.state.restart(self.operands())
         self.step_from_iteration = True
-        if self.state.fp8 is not None:
-            self.state.fp8.scales = {}
-            self.export_fp8(step=max(self.caster.step - 1, 0))
-
-    def _served_from_model(self) -> None:
-        """The masters were replaced and match the model: zero the residuals, keep what is served."""
-        self.state.restart(self._operands(self.shards()))
 
     # -- the wraps (listed by _wrap, each ``original -> replacement``) ----------------------------
     def wrap_copy_skipping_stock(self, copy):
@@ -338,63 +331,57 @@ class MegatronExport:
         return [(p, self.layouts[id(p)]) for p in compat.bucket_params(self.optimizer)
                 if id(p) in self.layouts and p.dtype == torch.bfloat16]
 
-    def _full_residual(self, param, shards_by_param, store: dict | None = None,
-                       dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The TP-local param's whole residual (or another per-element export state: ``store`` keyed by
-        ``id(param)``, flat, of ``dtype``; collective over the DP group for DistOpt)."""
-        shard = shards_by_param.get(id(param))
-        store = self.residuals if store is None else store
-        dtype = compat_residual_dtype(self.caster) if dtype is None else dtype
+    def _full(self, param, shards_by_param, store: dict, dtype: torch.dtype) -> torch.Tensor:
+        """The TP-local param's whole per-element export state (``store``: a snapshot's, keyed by ``id(param)``, 1-D,
+        of ``dtype``; collective over the DP group for the DistributedOptimizer)."""
         if not self.distributed:
             return store[id(param)].view(param.shape)
-        if dtype == torch.uint8:  # FP8 bits: disjoint ranges, zeros elsewhere: an integer sum is an exact gather
-            full = torch.zeros(param.numel(), dtype=torch.uint8, device=param.device)
-            if shard is not None:
-                full[shard.start:shard.end] = store[id(param)].view(-1).to(param.device)
-            torch.distributed.all_reduce(full, group=compat.data_parallel_group(self.optimizer))
-            return full.view(param.shape)
-        bits = torch.zeros(param.numel(), dtype=torch.int32, device=param.device)  # the DP group's device
+        shard = shards_by_param.get(id(param))
+        # disjoint ranges, zeros elsewhere: an integer sum is an exact gather (the DP group's device)
+        wide = torch.uint8 if dtype == torch.uint8 else torch.int32
+        full = torch.zeros(param.numel(), dtype=wide, device=param.device)
         if shard is not None:
-            bits[shard.start:shard.end] = to_bits(store[id(param)].view(-1))
-        # disjoint ranges, zeros elsewhere: an integer sum is an exact gather
-        torch.distributed.all_reduce(bits, group=compat.data_parallel_group(self.optimizer))
-        return from_bits(bits, dtype).view(param.shape)
+            full[shard.start:shard.end] = to_bits(store[id(param)].view(-1)).to(param.device) if wide == torch.int32 \
+                else store[id(param)].view(-1).to(param.device)
+        torch.distributed.all_reduce(full, group=compat.data_parallel_group(self.optimizer))
+        return (full if wide == torch.uint8 else from_bits(full, dtype)).view(param.shape)
 
     def sharded_state(self, model_sharded_state_dict, is_loading: bool, metadata: dict | None = None) -> dict:
-        """This optimizer's export-cast entry for its ``sharded_state_dict`` (see module doc).
+        """This optimizer's export-cast entry for its ``sharded_state_dict``: the export state's snapshot in
+        Megatron's checkpoint (see module doc).
 
-        ``metadata``: the checkpoint's content metadata (Megatron-LM's ``sharded_sd_metadata``):
-        marked when saving residuals; when loading, residuals are requested only if it is None or
-        marked."""
-        state = {"step": self.caster.step, "method": self.caster.method.value}  # a plain str in the checkpoint
-        fp8 = self.state.fp8
-        fp8_saved = fp8 is not None and (metadata is None or not is_loading or metadata.get(FP8_METADATA_KEY))
-        if fp8 is not None and metadata is not None and not is_loading:
-            metadata[FP8_METADATA_KEY] = True
+        ``metadata``: the checkpoint's content metadata (Megatron-LM's ``sharded_sd_metadata``): marked with
+        what a save writes (residuals, FP8 scales, FP8 bits); when loading, an entry is requested only if it is None
+        or marked (a request for what the checkpoint lacks fails dist-checkpointing's load)."""
+        def saved(key):  # the checkpoint holds it (a save: writes it)
+            return metadata is None or not is_loading or bool(metadata.get(key))
+        snap = None if is_loading else self.state.snapshot(self.operands())
+        state = {"step": self.state.step, "method": self.caster.method.value}  # a plain str in the checkpoint
+        fp8, ef = self.state.fp8, self.caster.method.needs_residual
+        if metadata is not None and not is_loading:
+            metadata.update({key: True for key, on in ((RESIDUALS_METADATA_KEY, ef), (FP8_METADATA_KEY, fp8 is not None),
+                                                       (FP8_BITS_METADATA_KEY, fp8 is not None)) if on})
+        fp8_saved, residuals = fp8 is not None and saved(FP8_METADATA_KEY), ef and saved(RESIDUALS_METADATA_KEY)
         if fp8_saved:  # every rank holds every scale: global rank 0 writes them, every rank reads them
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             state["fp8_scales"] = compat.ShardedObject(f"optimizer.{STATE_KEY}.fp8_scales.{self.index}",
                                                        {n: t.cpu() for n, t in fp8.scales.items()}, (1,), (0,),
                                                        replica_id=rank)
-        if not self.caster.method.needs_residual:
-            return state
-        if metadata is not None:
-            if not is_loading:
-                metadata[RESIDUALS_METADATA_KEY] = True
-            elif not metadata.get(RESIDUALS_METADATA_KEY):
-                return state  # the checkpoint holds none: load() starts them at zero
+        # per element: error feedback's residual; FP8: the bits served (written for every method since
+        # FP8_BITS_METADATA_KEY; before it, with error feedback's residuals only) and error feedback's FP8 residual
+        kinds = [("residual", RESIDUAL_PREFIX, "residuals", RESIDUAL_DTYPES[self.caster.config.residual_dtype])] \
+            if residuals else []
+        if fp8_saved and (saved(FP8_BITS_METADATA_KEY) or saved(RESIDUALS_METADATA_KEY)):
+            kinds.append(("fp8", FP8_PREFIX, "fp8", torch.uint8))
+        if fp8_saved and residuals:
+            kinds.append(("fp8_residual", FP8_RESIDUAL_PREFIX, "fp8_residuals", torch.float32))
+        if not kinds:
+            return state  # a load without residuals starts them at zero (load())
         entries = model_entries(self.model_chunks, model_sharded_state_dict or None)
         shards = {id(s.model_param): s for s in self.shards()}
-        dtype = compat_residual_dtype(self.caster)
-        # per element: the residual; FP8 error feedback: the FP8 bits served and the FP8 residual too
-        kinds = [("residual", RESIDUAL_PREFIX, None, dtype)]
-        if fp8_saved:
-            self.state.fp8_shards(self._operands(self.shards(), check=False))  # (creates the buffers)
-            kinds += [("fp8", FP8_PREFIX, self.state.fp8_outs, torch.uint8),
-                      ("fp8_residual", FP8_RESIDUAL_PREFIX, self.state.fp8_residuals, torch.float32)]
         # every rank lists every param (dist-checkpointing checks that main replicas cover each
         # tensor, on load too); a rank keeps only its own range after loading
-        for kind, prefix, store, kind_dtype in kinds:
+        for kind, prefix, field, dtype in kinds:
             state[kind] = {}
             for param, layout in self._all_params():
                 entry = entries.get(id(param))
@@ -403,91 +390,68 @@ class MegatronExport:
                                      "sharded_state_dict handed to the optimizer")
                 if kind != "residual" and layout.name not in fp8.shapes:
                     continue
-                data = (torch.empty(param.shape, dtype=kind_dtype, device=param.device) if is_loading
-                        else self._full_residual(param, shards, store, kind_dtype))
+                data = (torch.empty(param.shape, dtype=dtype, device=param.device) if is_loading
+                        else self._full(param, shards, getattr(snap, field), dtype))
                 kwargs = dict(key=prefix + entry.key, data=data)
                 if isinstance(entry, compat.ShardedTensor):
-                    kwargs["dtype"] = kind_dtype
+                    kwargs["dtype"] = dtype
                 state[kind][layout.name] = replace(entry, **kwargs)
         return state
 
     def load(self, state: dict | None) -> None:
-        """Restore step and residuals from a loaded :meth:`sharded_state`. None (a checkpoint written
-        without Fair Cast): as after ``reload_model_params`` (:meth:`reloaded`), with a warning.
+        """Restore the export state from a loaded :meth:`sharded_state` (the model was loaded first, as
+        Megatron-LM's ``load_checkpoint`` does: it is what was served), through
+        :meth:`faircast_dist.export.ExportState.restore`. None (a checkpoint written without Fair Cast): warned,
+        then as after ``reload_model_params`` (:meth:`reloaded`).
 
         Raises:
-            ValueError: a saved residual whose shape does not match its param (named).
+            ValueError: a saved per-element entry missing a param or too small for it (named).
         """
+        operands = self.operands()
         if state is None:
             if not self._internal_load:
-                warn(f"the optimizer state has no {STATE_KEY!r} entry (a checkpoint saved without Fair Cast?); "
-                     "the residuals start at zero, the export step at the trainer's iteration when known"
-                     + ("; FP8 scales are set afresh from the loaded masters" if self.state.fp8 is not None else ""))
-                self.reloaded()  # the loaded model is what is served (loaded before the optimizer)
+                self.state.restore(None, operands, step=None)
+                self.step_from_iteration = True  # the loaded model is what is served (loaded before the optimizer)
             return
-        self.caster.step = int(state["step"])
-        saved = state.get("residual") or {}
         unrequested = None
-        if not saved and state.get("method") == self.caster.method.value and self.caster.method.needs_residual:
+        if not state.get("residual") and state.get("method") == Method.ERROR_FEEDBACK and \
+                self.caster.method.needs_residual:
             # written with error feedback, yet no residuals: a load that asks for them gets them or fails,
             # so they were not asked for (metadata that is not the checkpoint's)
             unrequested = (f"the checkpoint was written with {state['method']} but its content metadata lacks "
                            f"{RESIDUALS_METADATA_KEY!r}, so its residuals were not loaded (hand sharded_state_dict "
                            "the checkpoint's dist_checkpointing.load_content_metadata(), as Megatron-LM's "
                            "load_checkpoint does): residuals start at zero")
-        action = self.state.adopt(bool(saved), state.get("method"), warning=unrequested)
-        # the model was loaded first (as Megatron-LM's load_checkpoint does): it is the saved export
-        self.state.keep_served(self._operands(self.shards(), check=False))
-        if action == "keep":
-            self._take(saved, "residual", self.residuals)
-        self._load_fp8(state, action == "keep")
+        snap = ExportSnapshot(int(state["step"]), Method(state["method"]) if state.get("method") else None,
+                              residuals=self._ranges(state.get("residual"), "residual"),
+                              fp8_scales=state.get("fp8_scales") if self.state.fp8 is not None else None,
+                              fp8=self._ranges(state.get("fp8"), "FP8 bits", fp8=True),
+                              fp8_residuals=self._ranges(state.get("fp8_residual"), "FP8 residual", fp8=True))
+        self.state.restore(snap, operands, missing_residuals=unrequested)
 
-    def _take(self, saved: dict, what: str, store: dict) -> None:
-        """Copy this rank's range of each saved whole tensor (``saved``: ``{canonical name: tensor}``) into ``store``.
+    def _ranges(self, saved: dict | None, what: str, fp8: bool = False) -> dict:
+        """``{id(model param): this rank's range}`` of each saved whole tensor (``saved``: ``{canonical name: tensor}``;
+        ``fp8``: of the FP8 params only); ``{}`` when nothing was saved.
 
         Raises:
             ValueError: a param missing from ``saved``, or a saved tensor too small for it (named).
         """
+        if not saved:
+            return {}
+        out = {}
         for shard in self.shards():
-            if store is not self.residuals and shard.layout.name not in self.state.fp8.shapes:
+            name = shard.layout.name
+            if fp8 and name not in self.state.fp8.shapes:
                 continue
-            full = saved.get(shard.layout.name)
+            full = saved.get(name)
             if full is None:
-                raise ValueError(f"Fair Cast: checkpoint lacks the {what} of {shard.layout.name!r}")
+                raise ValueError(f"Fair Cast: checkpoint lacks the {what} of {name!r}")
             full = full.reshape(-1)
             if full.numel() < shard.end:
-                raise ValueError(f"Fair Cast: saved {what} of {shard.layout.name!r} has "
-                                 f"{full.numel()} elements, the param has {shard.layout.numel}")
-            store[id(shard.model_param)].view(-1).copy_(full[shard.start:shard.end])
-
-    def _load_fp8(self, state: dict, kept: bool) -> None:
-        """``format "fp8"``: the loaded scales (and with error feedback the FP8 bits and residuals), or, in a
-        checkpoint without them, scales set afresh (warned); then the FP8 copy of the loaded masters is cast at
-        the last export's step, except for a kept error-feedback state (whose bits are the saved ones)."""
-        fp8 = self.state.fp8
-        if fp8 is None or not fp8.shapes:  # (e.g. the expert leaf with the experts left bf16: nothing to load)
-            return
-        self.state.fp8_shards(self._operands(self.shards(), check=False))  # the buffers exist
-        scales = state.get("fp8_scales")
-        ef = self.caster.method.needs_residual
-        if scales is not None and (not ef or (kept and state.get("fp8") and state.get("fp8_residual"))):
-            fp8.load_scales(scales)
-            if ef:
-                self._take(state["fp8"], "FP8 bits", self.state.fp8_outs)
-                self._take(state["fp8_residual"], "FP8 residual", self.state.fp8_residuals)
-                return
-        else:
-            warn("the checkpoint has no FP8 export state: FP8 scales are set afresh from the loaded masters"
-                 + (", FP8 residuals start at zero" if ef else ""))
-            fp8.scales = {}
-            for residual in self.state.fp8_residuals.values():
-                residual.zero_()
-        self.export_fp8(step=max(self.caster.step - 1, 0))
-
-
-def compat_residual_dtype(caster: FairCaster) -> torch.dtype:
-    from faircast_dist.config import RESIDUAL_DTYPES
-    return RESIDUAL_DTYPES[caster.config.residual_dtype]
+                raise ValueError(f"Fair Cast: saved {what} of {name!r} has {full.numel()} elements, the param has "
+                                 f"{shard.layout.numel}")
+            out[id(shard.model_param)] = full[shard.start:shard.end]
+        return out
 
 
 def check_config(config, where: str = "OptimizerConfig") -> None:
@@ -586,7 +550,7 @@ def install(optimizer, model_chunks, *, config, telemetry: bool = False,
         _start_telemetry(exports, sample, max_lag)
     if config.fp8:  # the initial model's FP8 copy, served until the first step (collective, leaf by leaf)
         for export in exports:
-            export.export_fp8()
+            export.state.export_fp8(export.operands())
         if exports:
             exports[0].wraps.on_uninstall(functools.partial(_set_fp8_exports, model_chunks, None))
             _set_fp8_exports(model_chunks, exports)

@@ -164,7 +164,7 @@ def fp8_cases(master: torch.Tensor, key, residual: torch.Tensor) -> dict:
             "fused FP8 nearest": (lambda: fused.cast_fp8("nearest", [x], [out8], rows, scales), 5),
             "fused FP8 SR": (lambda: fused.cast_fp8("stochastic", [x], [out8], rows, scales), 5),
             "fused FP8 EF": (lambda: fused.cast_fp8("error_feedback", [x], [out8], rows, scales, [res]), 13),
-            "FP8 export, dithered, channel scales": (lambda: state.export_fp8([shard], None), 9)}
+            "FP8 export, dithered, channel scales": (lambda: state.export_fp8([shard]), 9)}
 
 
 def bench(device: torch.device, numel: int, repeat: int, tensors: int = 0, clock=time.perf_counter) -> list[dict]:

@@ -111,7 +111,7 @@ def main() -> None:
 
     def transport():
         specs = receiver._reserve(packed_size(full)).pack(full)
-        receiver._rpc("faircast_bench_copy", receiver.buffer.path, specs)
+        receiver._rpc("faircast_bench_copy", receiver.buffer.name, specs)
     rows.append(("full, transport only (copy in, RPC, copy out)", payload, timed(transport, args.repeats), payload))
 
     def load():

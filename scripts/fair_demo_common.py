@@ -175,8 +175,8 @@ class Exports:
         self.fp8_arms = FP8_ARMS if self.fp8_names else {}  # (a model without 2-D linear weights has no FP8 rows)
         for arm, base in self.fp8_arms.items():  # the install-time cast of master_0
             state, shards = self.states[arm], self._shards(master0, self.spare[base])
-            state.export_fp8(shards, None)
-            self.fp8_served[arm] = state.full_fp8(shards, None), {n: t.clone() for n, t in state.fp8.scales.items()}
+            state.export_fp8(shards)
+            self.fp8_served[arm] = state.full_fp8(shards), {n: t.clone() for n, t in state.fp8.scales.items()}
             self.lag[arm] = LagTracker(self.fp8_numel, lag_sample, max_lag, seed=0)
             self.lag[arm].update(self.sample(master0, self.fp8_names),
                                  self.sample(self._dequantized(*self.fp8_served[arm]), self.fp8_names))
@@ -301,14 +301,14 @@ class Exports:
         shards = self._shards(master, self.spare[base])  # (export_fp8 writes only its own FP8 buffers)
         threads = torch.get_num_threads()
         torch.set_num_threads(self.export_threads)
+        state.caster.advance()  # the export after this step draws this step's bits (the install-time one, step 0's)
         try:
             t0 = time.perf_counter()
-            state.export_fp8(shards, None)
+            state.export_fp8(shards)
             export_ms = 1e3 * (time.perf_counter() - t0)
         finally:
             torch.set_num_threads(threads)
-        state.caster.advance()
-        weights, scales = state.full_fp8(shards, None), {n: t.clone() for n, t in state.fp8.scales.items()}
+        weights, scales = state.full_fp8(shards), {n: t.clone() for n, t in state.fp8.scales.items()}
         old_weights, old_scales = self.fp8_served[arm]
         self.fp8_served[arm] = weights, scales
         deltas = [(n, *diff(old_weights[n], weights[n])) for n in self.fp8_names]

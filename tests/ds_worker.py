@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from helpers import launch, save_record, tiny_moe
+from helpers import launch, logged_warnings, save_record, tiny_moe
 
 
 def tiny_model() -> torch.nn.Module:
@@ -92,7 +92,18 @@ class CopyProbe(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _worker(rank, world_size, port, opts, out_path):
+def _worker(rank, world_size, port, jobs, out_path):
+    """One rank's runs, one job after the other in this process (:func:`_train`: each builds its own engine); a
+    record per job, with what Fair Cast warned meanwhile (``record["warnings"]``)."""
+    records = []
+    for opts in jobs:
+        with logged_warnings() as warnings:
+            records.append({**_train(rank, world_size, port, opts), "warnings": warnings})
+    torch.distributed.destroy_process_group()
+    save_record(records, f"{out_path}.{rank}")
+
+
+def _train(rank, world_size, port, opts) -> dict:
     cuda = opts["device"] == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), DS_ACCELERATOR="cuda" if cuda else "cpu")
@@ -184,7 +195,7 @@ def _worker(rank, world_size, port, opts, out_path):
     if opts["preset"]:
         # one step at lr 0 creates the optimizer state; then, for each method in turn (one launch
         # serves them all: the caster is swapped, the export machinery reads it at every cast),
-        # load the preset state at export step 1 and export it twice
+        # load the preset state at export step 1 and export it twice (steps 2 and 3)
         zero_lr_step()
         numel = {n: p.ds_numel if hasattr(p, "ds_numel") else p.numel() for n, p in engine.module.named_parameters()}
         master, residual = preset_state(numel)
@@ -213,7 +224,7 @@ def _worker(rank, world_size, port, opts, out_path):
                                              "masters": {n: master[n].view(shapes[n]) for n in master}})
 
     prev = record["start"] = snapshot()
-    fp8_snapshot(prev[1], max(export.caster.step - 1, 0) if export else 0)  # install (or the load): the first export
+    fp8_snapshot(prev[1], export.state.step if export else 0)  # install (or the load): the first export
     record["deltas"] = [deltas()]  # the first call: every element
     for step in range(first, first + opts["steps"]):
         if opts["save_dir"] and step in opts["save_at"]:
@@ -237,13 +248,13 @@ def _worker(rank, world_size, port, opts, out_path):
             # None missed: every served element is the reference (single-process, whole-param)
             # fair cast of the gathered master at this step.
             ref = FairCaster(export.caster.config)
-            ref.step = export.caster.step - 1
+            ref.step = export.state.step
             for n in bf16:
                 q = ref.cast(n, master[n].clone(), residual=prev[2].get(n, torch.zeros_like(master[n])).clone())
                 record["mismatch"] += int((q.view(torch.int16) != bf16[n].view(torch.int16)).sum())
                 record["rtn_differs"] += int((master[n].to(torch.bfloat16) != bf16[n]).sum())
         record["bf16"].append(bf16), record["master"].append(master), record["residual"].append(residual)
-        fp8_snapshot(master, export.caster.step - 1 if export else 0)
+        fp8_snapshot(master, export.state.step if export else 0)
         record["deltas"].append(deltas())
         prev = (bf16, master, residual)
     record["deltas_again"] = deltas()  # no step since the last call: nothing changed
@@ -262,20 +273,22 @@ def _worker(rank, world_size, port, opts, out_path):
         record["reference"] = {"optimizer": type(reference.optimizer).__name__,
                                "fair": hasattr(reference.optimizer, "export_cast"), "bf16": gathered(reference.module)}
     record["export_step"] = export.caster.step if export else None
-    save_record(record, f"{out_path}.{rank}")
+    deepspeed_hooks.uninstall(engine)  # (the next job of the launch starts from stock DeepSpeed: no wrap left)
     engine.destroy()
-    torch.distributed.destroy_process_group()
+    if opts["hook"] == "patch":
+        deepspeed_hooks.unpatch_deepspeed()
+    return record
 
 
-def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 4, lr: float = 1e-3,
+def options(*, path: str = "zero2", export_cast=None, steps: int = 4, lr: float = 1e-3,
         hook: str | None = "initialize", save_dir: str | None = None, load_dir: str | None = None,
         load_tag: str | None = None, preset: tuple = (), save_at: tuple = (),
         crash_on_save: bool = False, bf16: bool = True, monitor_dir: str | None = None,
         monitor_sample: int | None = None, zero_extra: dict | None = None, save_final: bool = True,
         device: str = "cpu", uninstall: bool = False, reference: bool = False,
         offload_states: bool = False, fused_adam: bool = False, module_only: bool = False,
-        moe: bool = False) -> list[dict]:
-    """Train ``steps`` steps in ``world_size`` spawned ranks; returns each rank's record.
+        moe: bool = False) -> dict:
+    """One job of :func:`run` / :func:`run_jobs`: train ``steps`` steps (the options below, checked by name).
 
     ``preset``: export_cast configs: before training, each exports (twice, at lr 0) the same
     preset master (and residual) state from export step 1, into ``record["preset"][method]``.
@@ -293,13 +306,27 @@ def run(world_size: int, *, path: str = "zero2", export_cast=None, steps: int = 
     ``module_only``: load ``load_dir`` with ``load_module_only=True`` (the model, no optimizer state).
     ``moe``: train a tiny transformers 5 Qwen3-MoE (``helpers.tiny_moe``) on token ids instead.
     """
-    opts = dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
+    return dict(path=path, export_cast=export_cast, steps=steps, lr=lr, hook=hook,
                 save_dir=save_dir, load_dir=load_dir, load_tag=load_tag, preset=preset,
                 save_at=save_at, crash_on_save=crash_on_save, bf16=bf16, monitor_dir=monitor_dir,
                 monitor_sample=monitor_sample, zero_extra=zero_extra, save_final=save_final, device=device,
                 uninstall=uninstall, reference=reference, offload_states=offload_states,
                 fused_adam=fused_adam, module_only=module_only, moe=moe)
+
+
+def run_jobs(world_size: int, jobs: list[dict]) -> list[list[dict]]:
+    """Run ``jobs`` (each :func:`options`' keywords) one after the other in one launch of ``world_size`` spawned
+    ranks (one process group; each job builds and destroys its own engine), sharing the launch's start-up. Per job,
+    each rank's record (with ``"warnings"``: what Fair Cast warned during it). A job that kills its process
+    (``crash_on_save``) goes last."""
+    opts = [options(**job) for job in jobs]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record")
         launch(_worker, world_size, opts, out, reported=[f"{out}.{r}" for r in range(world_size)])
-        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world_size)]
+        ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world_size)]
+    return [[ranks[r][j] for r in range(world_size)] for j in range(len(jobs))]
+
+
+def run(world_size: int, **job) -> list[dict]:
+    """One job (:func:`options`) in its own launch of ``world_size`` ranks; each rank's record."""
+    return run_jobs(world_size, [job])[0]

@@ -255,6 +255,7 @@ def single_process_fp8(config, model, snapshots) -> list[dict]:
     for snap in snapshots:  # (the state keeps each shard's FP8 bits and residual by its key, the param name)
         shards = [Shard(n, m.reshape(-1).float().clone(), torch.zeros(m.numel(), dtype=torch.bfloat16),
                         [(n, 0, m.numel(), 0)]) for n, m in snap["masters"].items() if n in state.fp8.shapes]
-        state.export_fp8(shards, None, snap["step"])
-        out.append(dict(state.fp8.served([(n, None) for n in state.fp8.shapes], state.full_fp8(shards, None))))
+        state.caster.step = snap["step"]
+        state.export_fp8(shards)
+        out.append(dict(state.fp8.served([(n, None) for n in state.fp8.shapes], state.full_fp8(shards))))
     return out

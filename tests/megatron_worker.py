@@ -466,15 +466,16 @@ def _run_job(tp, pp, job: dict) -> dict:
         record["loaded"] = snapshot(model, optimizer, ef)
         record["loaded_step"] = [e.caster.step for e in exports(optimizer)]
     if fp8 is not None:
-        fp8.append(fp8_snapshot(model, optimizer, max(exports(optimizer)[0].caster.step - 1, 0)))
-    if "set_state" in job:
-        set_state(model, optimizer, job["set_state"])
+        fp8.append(fp8_snapshot(model, optimizer, exports(optimizer)[0].caster.step))
+    if "set_state" in job or "exports" in job:  # exports of a set state (or of the model's own masters)
+        if "set_state" in job:
+            set_state(model, optimizer, job["set_state"])
         prev = snapshot(model, optimizer, ef)
         for _ in range(job.get("exports", 1)):
-            step = exports(optimizer)[0].caster.step
             with CopyProbe(optimizer) as probe:
                 export_only(model, optimizer)
             record["master_copies"] += probe.count
+            step = exports(optimizer)[0].caster.step  # the step this export drew its bits with
             if fp8 is not None:
                 fp8.append(fp8_snapshot(model, optimizer, step))
             snap = snapshot(model, optimizer, ef)
@@ -502,7 +503,7 @@ def _run_job(tp, pp, job: dict) -> dict:
             train_step(model, optimizer, first + k)
         record["master_copies"] += probe.count
         if exports(optimizer):
-            step = exports(optimizer)[0].caster.step - 1  # the step this export drew its bits with
+            step = exports(optimizer)[0].caster.step  # the step this export drew its bits with
             record["export_steps"].append(step)
         if fp8 is not None:
             fp8.append(fp8_snapshot(model, optimizer, step))

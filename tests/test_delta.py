@@ -16,8 +16,9 @@ def test_tracked_deltas_rebuild_every_export_bit_for_bit(method):
     caster = FairCaster(None if method == "nearest" else {"mode": "fair", "method": method})
     tracker = DeltaTracker()
     receiver = {n: torch.zeros(t.shape, dtype=torch.bfloat16) for n, t in master.items()}
+    residuals = {n: caster.new_residual(t) for n, t in master.items()}
     for step in range(6):
-        served = {n: caster.cast(n, t) for n, t in master.items()}
+        served = {n: caster.cast(n, t, residual=residuals[n]) for n, t in master.items()}
         caster.advance()
         deltas = [(n, *tracker.diff(n, t)) for n, t in served.items()]
         if step == 0:  # no baseline: every element

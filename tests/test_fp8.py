@@ -126,6 +126,21 @@ def test_finite_masters_saturate_and_never_serve_nan():
         assert torch.isfinite(q.float()).all() and torch.isfinite(residual).all()
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_non_finite_master_serves_nan_with_its_sign(backend):
+    """What the export does with a diverged master: FP8 serves NaN with the master's sign (0x7f, 0xff; E4M3 has no
+    Inf, and ±448 would pass for a weight) in every method, as bf16 keeps NaN and ±Inf; the residual is left alone.
+    The receiver refuses to serve either by default (docs/vllm.md)."""
+    from faircast_dist import fused
+    x = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0])
+    for method in ("nearest", "stochastic", "error_feedback"):
+        out, residual = torch.zeros(5, dtype=torch.uint8), torch.tensor([0.25] * 4 + [0.0])
+        fused.cast_fp8(method, [x], [out], [(0, 0, 5, 0, 1, 2, 0, 1, 0)], torch.ones(5),
+                       [residual] if method == "error_feedback" else None, backend=backend)
+        assert out.tolist() == [0x7F, 0xFF, 0x7F, 0xFF, 0x80], method
+        assert residual.tolist()[:4] == [0.25] * 4
+
+
 def test_absmax_skips_non_finite_elements():
     y = torch.tensor([[1.0, float("nan"), -3.0], [float("inf"), -2.0, 0.5]])
     assert partial_absmax(y, Fp8Layout().scale_index((2, 3), 0, 6).reshape(2, 3), 2).tolist() == [3.0, 2.0]
@@ -176,9 +191,9 @@ def two_exports(state, masters: dict):
         if step:
             for s in shards:
                 s.master.mul_(1 + 2 ** -12)
-        state.step = step
-        state.export_fp8(shards, None)
-        yield step, state.full_fp8(shards, None), {n: torch.cat([s.master for s in shards if s.key[0] == n]).view(
+        state.caster.step = step
+        state.export_fp8(shards)
+        yield step, state.full_fp8(shards), {n: torch.cat([s.master for s in shards if s.key[0] == n]).view(
             masters[n].shape) for n in masters}
 
 

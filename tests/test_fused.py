@@ -552,7 +552,7 @@ def test_fp8_bad_rows_and_arguments_are_named():
     with pytest.raises(TypeError, match="scales must be a contiguous 1-D float32 tensor"):
         fused.cast_fp8("nearest", x, out, [], [1.0, 1.0])
     with pytest.raises(ValueError, match="method must be one of"):
-        fused.cast_fp8("dithered", x, out, [], scales)
+        fused.cast_fp8("round_up", x, out, [], scales)
     with pytest.raises(ValueError, match="via_bf16 is for method 'nearest'"):
         fused.cast_fp8("stochastic", x, out, [], scales, via_bf16=True)
     with pytest.raises(TypeError, match=r"out must be|outs\[0\] must be"):

@@ -381,11 +381,12 @@ def test_a_copy_outside_the_step_serves_the_last_export_again(layout, method):
 
 def test_a_model_only_load_continues_the_export_step_from_megatron_lms_iteration():
     """Megatron-LM's load_checkpoint with --no-load-optim (reload_model_params, iteration 5 from the
-    checkpoint) into a fresh optimizer: the exports draw the bits of steps 5 and 6, as DeepSpeed's
-    module-only load continues the saved step (--finetune: iteration 0, a fresh run)."""
+    checkpoint) into a fresh optimizer: the exports draw the bits of steps 6 and 7 (the export after the k-th step
+    draws step k's), as DeepSpeed's module-only load continues the saved step (--finetune: iteration 0, a fresh
+    run)."""
     record = layout_run((1, 1, 2, True))["lm_model_only_load"]
     assert "error" not in record, record.get("error")
-    assert record["export_steps"] == [5, 6] and record["mismatch"] == 0
+    assert record["export_steps"] == [6, 7] and record["mismatch"] == 0
 
 
 @pytest.mark.parametrize("layout", [params(l) for l in [*SERVED, MOE_SERVED]])
@@ -441,7 +442,7 @@ def test_the_command_line_wins_over_the_variable_and_the_arguments_say_what_runs
         assert f"uses {want['method']} (seed {want['seed']})" in record["printed"], name
     overridden = [w for w in records["env_and_flags"]["warnings"] if "command line overrides" in w]
     assert len(overridden) == 1, records["env_and_flags"]["warnings"]
-    assert ("--export-cast-method error-feedback (command line) over method stochastic" in overridden[0] and
+    assert ("--export-cast-method error_feedback (command line) over method stochastic" in overridden[0] and
             "--export-cast-seed 7 (command line) over seed 1234" in overridden[0]), overridden
     assert [w for w in records["env_nearest_flags_fair"]["warnings"] if "command line overrides" in w] != []
     assert not [w for w in records["env_alone"]["warnings"] if "command line" in w]
@@ -539,8 +540,8 @@ def test_error_feedback_resumes_a_checkpoint_without_residuals(saved_by):
     assert_same(saved["saved"]["master"], resumed["loaded"]["master"], "loaded master")
     assert not any(bits(r).any() for r in resumed["loaded"]["residual"].values())
     assert len(resumed["snaps"]) == STEPS - SAVE_AFTER and resumed["mismatch"] == 0
-    assert resumed["export_steps"] == ([0, 1] if saved_by == "stock" else [SAVE_AFTER, SAVE_AFTER + 1])
-    said = "no 'export_cast' entry" if saved_by == "stock" else "switching from stochastic to error_feedback"
+    assert resumed["export_steps"] == ([1, 2] if saved_by == "stock" else [SAVE_AFTER + 1, SAVE_AFTER + 2])
+    said = "has no export-cast state" if saved_by == "stock" else "switching from stochastic to error_feedback"
     assert len(resumed["warnings"]) == 1 and said in resumed["warnings"][0], resumed["warnings"]
 
 

@@ -67,8 +67,8 @@ def _fp8_export(config, masters, fused=None):
     state = ExportState(config, shapes={n: m.shape for n, m in masters.items()}, fused=fused)
     shards = [Shard(n, m.reshape(-1).float().contiguous(), torch.zeros(m.numel(), dtype=torch.bfloat16),
                     [(n, 0, m.numel(), 0)]) for n, m in masters.items()]
-    state.export_fp8(shards, None)
-    full = state.full_fp8(shards, None)
+    state.export_fp8(shards)
+    full = state.full_fp8(shards)
     return {**full, **{state.fp8.scale_name(n): s for n, s in state.fp8.scales.items()}}
 
 

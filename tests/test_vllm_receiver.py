@@ -59,10 +59,46 @@ def test_deltas_take_the_sparse_path_where_the_engine_allows_and_whole_layers_ot
 
 
 @pytest.mark.slow
+def test_a_second_receiver_leaves_the_first_ones_pushes_intact(report):
+    """A second receiver made after the first one's pushes: the first one's next push lands as sent (each receiver
+    has its own shared buffer; they once shared a /proc/<pid>/fd path and the worker loaded the second one's bytes
+    while the first one's load() and read() reported success)."""
+    r = report["second_receiver"]
+    assert r["read_as_sent"] and isinstance(r["verified"], int) and r["verified"] > 0, r
+    assert r["new"] < 0.5 and r["old"] > 1.0, r  # vLLM computes with the first one's weights, not the old ones
+
+
+@pytest.mark.slow
 def test_a_receiver_whose_engine_another_receiver_wrote_is_refused_and_writes_nothing(report):
-    state, message, other_still_verifies = report["stale"]
-    assert state == "not updated" and "another receiver has written into this engine" in message
-    assert other_still_verifies  # the refused push wrote nothing over the other receiver's weights
+    # both orders: the second receiver after the first one pushed, then the first after the second one wrote
+    assert len(report["stale"]) == 2, report["stale"]
+    for state, message, other_still_verifies in report["stale"]:
+        assert state == "not updated" and "another receiver has written into this engine" in message
+        assert other_still_verifies  # the refused push wrote nothing over the other receiver's weights
+
+
+@pytest.mark.slow
+def test_the_worker_maps_only_a_faircast_buffer_of_the_name_it_is_given(report):
+    """faircast_map (an RPC) maps read-write: a file, another memory file, or a faircast buffer under another name
+    is refused, naming the path, and nothing is replaced."""
+    r = report["foreign_buffers"]
+    for case in ("a file", "a file through /proc", "another memory file", "a faircast buffer by another name"):
+        path, error = r[case]
+        assert "refusing to map" in error and path in error, (case, error)
+    assert r["file_unchanged"] and r["own_buffer_verified"] > 0, r
+
+
+@pytest.mark.slow
+def test_non_finite_served_weights_are_refused_naming_the_tensor_and_the_count(report):
+    """One NaN makes every log-prob NaN, and load() and verify() would pass: refused by default, nothing written
+    (test_bad_updates' copy and verify checks); allow_non_finite=True serves them (the NaN delta above)."""
+    errors = report["errors"]
+    name = "'model.layers.0.self_attn.k_proj.weight'"
+    assert errors["non-finite load"].startswith("ValueError") and f"{name} holds 3 non-finite" in \
+        errors["non-finite load"], errors["non-finite load"]
+    assert errors["non-finite delta"].startswith("ValueError") and f"{name} holds 2 non-finite" in \
+        errors["non-finite delta"], errors["non-finite delta"]
+    assert "allow_non_finite=True" in errors["non-finite load"]
 
 
 @pytest.mark.slow

@@ -6,8 +6,10 @@ docs/deepspeed.md's "Serving the weights" snippets run here as written (ZeRO-2).
 One vLLM engine (rank 0) receives, for ZeRO-2 and ZeRO-3 and every method, a full update one tensor per
 call, a full update in one call, and 3 steps of deltas (the first one tensor per call, then bucketed);
 after every push the engine's weights, read back through its kernels, are compared bit for bit with
-``served_weights(engine)``. Then bad updates (each must raise and write nothing) and a planted partial
-write of a fused layer (``verify()`` must catch it). Rank 0 writes what it saw to OUT_JSON.
+``served_weights(engine)``. Then a second receiver on the engine (the first one's pushes must still land, and each
+one's push after the other wrote is refused), paths the worker must refuse to map, bad updates (NaN and Inf
+among them: each must raise and write nothing) and a planted partial write of a fused layer (``verify()`` must
+catch it). Rank 0 writes what it saw to OUT_JSON.
 """
 from __future__ import annotations
 
@@ -42,6 +44,68 @@ def readme_snippets() -> list[str]:
 
 
 ENGINE_LINE = 'llm = vllm.LLM(model=hf_dir, dtype="bfloat16", worker_extension_cls=vllm_receiver.WORKER_EXTENSION)'
+
+
+def planted(t: torch.Tensor, **where: int) -> torch.Tensor:
+    """A copy of ``t`` with NaN, +Inf or -Inf (``nan=``, ``inf=``, ``ninf=``) at the given flat indices."""
+    t = t.clone()
+    for what, i in where.items():
+        t.view(-1)[i] = {"nan": float("nan"), "inf": float("inf"), "ninf": float("-inf")}[what]
+    return t
+
+
+def second_receiver(receiver) -> tuple[dict, object]:
+    """A second receiver on the engine, made after the first one's pushes, then a full update to other weights from
+    the first: the engine must compute with the first one's weights (read back, verified, and vLLM's prompt
+    log-probs against an fp32 HF forward of them), not the second one's buffer. Returns (report, the second)."""
+    from vllm_arch_worker import gap, hf_logprobs, vllm_logprobs
+    from vllm_receiver import VllmReceiver, WeightMismatch
+    second = VllmReceiver(receiver.llm)
+    model = tiny_llama().float().eval()
+    old = hf_logprobs(model, receiver.weights)
+    g = torch.Generator().manual_seed(11)
+    new = {n: (t.float() + 0.1 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in receiver.weights.items()}
+    receiver.load(new.items())
+    rep = {"read_as_sent": all(torch.equal(bits(t), bits(new[n])) for n, t in receiver.read().items() if n in new)}
+    try:
+        rep["verified"] = receiver.verify()
+    except WeightMismatch as err:
+        rep["verified"] = str(err)
+    now = vllm_logprobs(receiver.llm)
+    rep["new"], rep["old"] = gap(now, hf_logprobs(model, new)), gap(now, old)
+    return rep, second
+
+
+def foreign_buffers(receiver, tmp: str) -> dict:
+    """What the worker must refuse to map (read-write) when asked over RPC: a file by its path or through a /proc fd,
+    another memory file, a faircast buffer under another buffer's name. Nothing is mapped or written, and the
+    receiver's own buffer stays mapped."""
+    from vllm_receiver.transport import SharedBuffer
+    victim = os.path.join(tmp, "victim.bin")
+    with open(victim, "wb") as f:
+        f.write(b"\x5a" * 4096)
+    pid, name = os.getpid(), "faircast-buffer-" + "ab" * 16
+    fds = [os.open(victim, os.O_RDWR), os.memfd_create("not-faircast")]
+    os.ftruncate(fds[1], 4096)
+    other = SharedBuffer.create(4096)  # held open: the worker could open it
+    rep = {}
+    try:
+        for case, path in {"a file": victim, "a file through /proc": f"/proc/{pid}/fd/{fds[0]}",
+                           "another memory file": f"/proc/{pid}/fd/{fds[1]}",
+                           "a faircast buffer by another name": other.path}.items():
+            try:
+                receiver.llm.collective_rpc("faircast_map", args=(path, 4096, name, None))
+                rep[case] = "no error"
+            except Exception as err:  # noqa: BLE001  (as vLLM reports the worker's error)
+                rep[case] = [path, str(err)]
+    finally:
+        other.close()
+        for fd in fds:
+            os.close(fd)
+    with open(victim, "rb") as f:
+        rep["file_unchanged"] = f.read() == b"\x5a" * 4096
+    rep["own_buffer_verified"] = receiver.verify()
+    return rep
 
 
 def main(out_json: str) -> None:
@@ -143,9 +207,12 @@ def main(out_json: str) -> None:
 
     if rank == 0:  # bad updates: each raises before anything is written
         report["sparse_deltas"] = [report_sparse, receiver.sparse_deltas]
+        report["second_receiver"], second = second_receiver(receiver)
+        report["foreign_buffers"] = foreign_buffers(receiver, tmp)
         w = dict(receiver.weights)
         name = "model.layers.0.self_attn.k_proj.weight"
         good = ("model.layers.0.self_attn.q_proj.weight", torch.zeros_like(w["model.layers.0.self_attn.q_proj.weight"]))
+        good_delta = (good[0], torch.tensor([3]), torch.ones(1, dtype=torch.bfloat16))
         cases = {
             "unknown name": lambda: receiver.load([good, ("model.layers.9.mlp.up_proj.weight", w[name])]),
             "tied head name": lambda: receiver.load([("lm_head.weight", w["model.embed_tokens.weight"])]),
@@ -162,6 +229,10 @@ def main(out_json: str) -> None:
             "given twice, first empty": lambda: receiver.apply([
                 (name, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.bfloat16)),
                 (name, torch.tensor([0]), torch.zeros(1, dtype=torch.bfloat16))]),
+            # a NaN or Inf served makes every log-prob NaN: refused by default, naming the tensor and the count
+            "non-finite load": lambda: receiver.load([good, (name, planted(w[name], nan=2, inf=7, ninf=9))]),
+            "non-finite delta": lambda: receiver.apply([good_delta, (name, torch.tensor([0, 1, 2]), torch.tensor(
+                [1.0, float("nan"), float("-inf")], dtype=torch.bfloat16))]),
         }
         for what, call in cases.items():
             try:
@@ -171,15 +242,17 @@ def main(out_json: str) -> None:
                 report["errors"][what] = f"{type(err).__name__}: {err}"
             receiver.verify()  # nothing was written: the engine still serves the copy
         report["copy_unchanged"] = all(torch.equal(bits(receiver.weights[n].reshape(-1)), bits(t.reshape(-1))) for n, t in w.items())
-        # a NaN served value (Fair Cast keeps NaN a NaN): vLLM's sparse path reserves NaN, so it goes whole-layer
+        # a NaN served value (Fair Cast keeps NaN a NaN, with allow_non_finite): vLLM's sparse path reserves NaN, so
+        # it goes whole-layer. Each receiver's push after the other wrote is refused (first the second's: the first
+        # pushed after it was made; then the first's, once the second attached and wrote)
         from vllm_receiver import EngineUpdateError
         nan_delta = [(name, torch.tensor([5]), torch.tensor([float("nan")], dtype=torch.bfloat16, requires_grad=True))]
-        fresh = VllmReceiver(receiver.llm)  # a second receiver on the engine: its pushes make the first one stale
-        for recv in (fresh, receiver):
+        for recv, other in ((second, receiver), (receiver, second)):
+            recv.allow_non_finite = True
             try:
                 recv.apply(nan_delta)
-            except EngineUpdateError as err:  # the first receiver, after the second one wrote: refused, nothing written
-                report["stale"] = [err.engine_state, str(err), fresh.verify() > 0]
+            except EngineUpdateError as err:  # refused, nothing written
+                report.setdefault("stale", []).append([err.engine_state, str(err), other.verify() > 0])
                 recv.attach(recv.llm)  # serve its copy again, then the delta lands
                 recv.apply(nan_delta)
             recv.verify()
@@ -188,7 +261,7 @@ def main(out_json: str) -> None:
         # a planted partial write: one shard of a fused layer, straight through the reload receiver.load avoids
         from vllm_receiver import WeightMismatch
         q = "model.layers.1.self_attn.q_proj.weight"
-        receiver.llm.collective_rpc("faircast_push", args=(receiver.buffer.path,
+        receiver.llm.collective_rpc("faircast_push", args=(receiver.buffer.name,
                                                            receiver.buffer.pack([(q, receiver.weights[q])]), False, None))
         try:
             receiver.verify()

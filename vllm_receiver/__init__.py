@@ -11,8 +11,9 @@ An engine adapter beside the framework adapters: it imports vLLM only inside the
 (:mod:`vllm_receiver.extension`, every vLLM internal in :mod:`vllm_receiver.compat`), and the trainer side needs
 only torch. How it works:
 
-* **Transport**: one anonymous shared-memory buffer that trainer and worker map once (:mod:`vllm_receiver.transport`);
-  an update is copied in and the worker gets ``[name, dtype, shape, offset]`` per tensor by RPC, by method name
+* **Transport**: one anonymous shared-memory buffer per receiver that trainer and worker map once, known to the
+  worker by a name of its own, checked on the file it maps (:mod:`vllm_receiver.transport`); an update is copied in
+  and the worker gets ``[name, dtype, shape, offset]`` per tensor by RPC, by method name
   (``collective_rpc("faircast_push", args=...)``). Nothing is pickled: vLLM's
   ``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off. Host only (the engine on the trainer's machine, the CPU
   backend); a CUDA engine has vLLM's own weight-transfer API.
@@ -28,11 +29,11 @@ only torch. How it works:
 * **Deltas**: where the engine computes from its params in place (CUDA; the CPU backend where its GEMM falls back
   to torch's), a delta goes through vLLM's sparse patch path and only changed elements move; else the touched
   layers are rebuilt whole.
-* **Checked before, atomic after**: a name the engine does not serve, a wrong dtype, shape or index raises before
-  anything is written; a push that fails in the engine (an error, a dead engine, an RPC past ``timeout_s``)
-  rolls the touched layers back to the receiver's copy and verifies them, then raises
-  :class:`EngineUpdateError` saying whether the engine still serves the previous weights or is in an unknown
-  state; the receiver's copy changes only after the engine took the update.
+* **Checked before, atomic after**: a name the engine does not serve, a wrong dtype, shape or index, a NaN or Inf
+  (unless ``allow_non_finite=True``) raises before anything is written; a push that fails in the engine (an error,
+  a dead engine, an RPC past ``timeout_s``) rolls the touched layers back to the receiver's copy and verifies them,
+  then raises :class:`EngineUpdateError` saying whether the engine still serves the previous weights or is in an
+  unknown state; the receiver's copy changes only after the engine took the update.
 * **Verification** reads the engine's *effective* weights: a linear layer through its own kernel fed the identity
   matrix (exact), embeddings and norms directly, the tied head through its kernel; the worker hashes each tensor
   and only digests come back.
@@ -107,6 +108,10 @@ class VllmReceiver:
             engine computes from its params in place (CUDA; the CPU backend's fallback GEMM), else whole layers.
         timeout_s: seconds one RPC into the engine may take before the push counts as failed (default 600).
         allow_untested: accept an architecture outside :data:`TESTED_ARCHITECTURES` (verify every push).
+        allow_non_finite: serve NaN and Inf values (Fair Cast keeps a non-finite master non-finite); by default
+            :meth:`load` and :meth:`apply` refuse a tensor holding one, naming it, before anything is written: one
+            NaN weight makes every log-prob NaN, and :meth:`verify` cannot check the rest of a weight row holding
+            one. Also an attribute, to change later.
 
     Raises:
         ValueError: the engine lacks the worker extension, is neither bf16 nor fp32, runs with tensor/pipeline
@@ -126,8 +131,8 @@ class VllmReceiver:
     """
 
     def __init__(self, llm, sparse_deltas: bool | None = None, timeout_s: float = 600.0,
-                 allow_untested: bool = False):
-        self.timeout_s, self.allow_untested = timeout_s, allow_untested
+                 allow_untested: bool = False, allow_non_finite: bool = False):
+        self.timeout_s, self.allow_untested, self.allow_non_finite = timeout_s, allow_untested, allow_non_finite
         self.buffer: SharedBuffer | None = None
         self._lost = None  # the engine an RPC timed out on: never called again
         self._connect(llm)
@@ -239,7 +244,7 @@ class VllmReceiver:
         if fresh or self.buffer is None or self.buffer.size < size:
             buffer = SharedBuffer.create(size)
             try:
-                self._rpc("faircast_map", buffer.path, buffer.size, self.buffer and self.buffer.path)
+                self._rpc("faircast_map", buffer.path, buffer.size, buffer.name, self.buffer and self.buffer.name)
             finally:
                 buffer.close()  # both sides hold the mapping
             self.buffer = buffer
@@ -275,7 +280,8 @@ class VllmReceiver:
 
         Raises:
             KeyError: a name the engine does not serve. TypeError: a tensor not of its dtype in :attr:`weights`.
-            ValueError: a shape that differs from the engine's, or a name given twice. Nothing is written then.
+            ValueError: a shape that differs from the engine's, a name given twice, or a NaN or Inf value (unless
+            :attr:`allow_non_finite`; naming the tensor and the count). Nothing is written then.
             EngineUpdateError: the engine did not take the update (see its ``engine_state``).
         """
         new = {}
@@ -291,6 +297,8 @@ class VllmReceiver:
                 raise ValueError(f"VllmReceiver.load: {name!r} has shape {tuple(t.shape)}; the engine's is "
                                  f"{tuple(self.weights[name].shape)}")
             new[name] = t.detach().to("cpu", copy=True).contiguous()
+            if not self.allow_non_finite:
+                _check_finite("VllmReceiver.load", name, new[name])
         self._commit(new, payload=sum(nbytes(t) for t in new.values()))
         return sum(t.numel() for t in new.values())
 
@@ -299,8 +307,9 @@ class VllmReceiver:
         flat indices into the full tensor, new values of the tensor's dtype; names as :meth:`load` takes them).
 
         Consumes ``deltas`` to its end. With :attr:`sparse_deltas` only the changed elements are written (in place,
-        through vLLM's sparse patch path, which reserves NaN: an update carrying a NaN value is written the other
-        way), else the layers holding a changed element are rewritten whole. :attr:`totals` counts what moved.
+        through vLLM's sparse patch path, which reserves NaN: an update carrying a NaN value, which
+        :attr:`allow_non_finite` lets through, is written the other way), else the layers holding a changed element
+        are rewritten whole. :attr:`totals` counts what moved.
 
         Returns:
             The number of elements changed.
@@ -308,7 +317,8 @@ class VllmReceiver:
         Raises:
             KeyError: an unknown name. TypeError: values not of the tensor's dtype, or an index not int32/int64.
             ValueError: index and values of different lengths or not 1-D, an index out of range or given twice, a
-            name given twice. Nothing is written then.
+            name given twice, a NaN or Inf value (unless :attr:`allow_non_finite`; naming the tensor and the
+            count). Nothing is written then.
             EngineUpdateError: the engine did not take the update (see its ``engine_state``).
         """
         staged, patches, payload, seen = {}, [], 0, set()
@@ -321,6 +331,8 @@ class VllmReceiver:
             payload += nbytes(index) + nbytes(values)
             if index.numel():
                 index, values = index.detach().to("cpu").contiguous(), values.detach().to("cpu").contiguous()
+                if not self.allow_non_finite:
+                    _check_finite("VllmReceiver.apply", name, values)
                 t = self.weights[name].clone()
                 _bits(t).view(-1)[index.long()] = _bits(values)  # FP8 has no index_put on CPU
                 staged[name] = t
@@ -426,13 +438,13 @@ class VllmReceiver:
 
     def _push(self, tensors: list[tuple[str, torch.Tensor]], repack: bool, force: bool = False) -> int:
         specs = self._reserve(packed_size(tensors)).pack(tensors)
-        self._written(self._rpc("faircast_push", self.buffer.path, specs, repack, None if force else self._version))
+        self._written(self._rpc("faircast_push", self.buffer.name, specs, repack, None if force else self._version))
         return sum(nbytes(t) for _, t in tensors)
 
     def _patch(self, patches: list[tuple[str, torch.Tensor, torch.Tensor]], repack: bool) -> int:
         flat = [(f"{n}#{k}", t) for n, i, v in patches for k, t in (("index", i), ("values", v))]
         specs = self._reserve(packed_size(flat)).pack(flat)
-        self._written(self._rpc("faircast_patch", self.buffer.path,
+        self._written(self._rpc("faircast_patch", self.buffer.name,
                                 [[n, list(self.weights[n].shape), specs[2 * j], specs[2 * j + 1]]
                                  for j, (n, _, _) in enumerate(patches)], self.layout["dtype"], repack, self._version))
         return sum(nbytes(t) for _, t in flat)
@@ -468,7 +480,7 @@ class VllmReceiver:
         ``{name: tensor}`` (names as :meth:`load` takes them, checked); with a tied
         head also ``"lm_head.weight"`` (what the head computes with). Moves the tensors through the shared buffer:
         the constructor seeds the copy with it; :meth:`verify` moves only digests."""
-        specs = self._rpc("faircast_read", self.buffer.path, self.layout,
+        specs = self._rpc("faircast_read", self.buffer.name, self.layout,
                           None if names is None else sorted(self._names(names)), False)
         return {s[0]: self.buffer.view(s).clone() for s in specs}
 
@@ -492,7 +504,7 @@ class VllmReceiver:
         expect = {n: digest(self.weights[n], n in self.layout["stored"]) for n in wanted}
         if self.layout["tied"] and embedding in expect:
             expect["lm_head.weight"] = expect[embedding]
-        theirs = self._rpc("faircast_read", self.buffer.path, self.layout, sorted(expect), True)
+        theirs = self._rpc("faircast_read", self.buffer.name, self.layout, sorted(expect), True)
         bad = sorted(n for n in expect if theirs.get(n) != expect[n])
         if bad:
             raise WeightMismatch(f"the vLLM engine's effective weights differ from what was sent in {len(bad)} of "
@@ -508,6 +520,16 @@ class VllmReceiver:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bits as an integer tensor of its element size (a view)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _check_finite(where: str, name: str, t: torch.Tensor) -> None:
+    """``t`` holds no NaN or Inf, else ValueError naming ``name`` and the count (one pass over ``t``; counted only on
+    failure). float8_e4m3fn has no Inf: its NaN is the bit pattern S.1111.111 (0x7f, 0xff)."""
+    ok = ~torch.isnan(t) if t.dtype == torch.float8_e4m3fn else torch.isfinite(t)  # (no FP8 isfinite on CPU)
+    if not bool(ok.all()):
+        raise ValueError(f"{where}: {name!r} holds {ok.numel() - int(ok.sum())} non-finite values (NaN or Inf) of "
+                         f"{ok.numel()}: served, one makes every log-prob NaN. Nothing was written; "
+                         f"VllmReceiver(..., allow_non_finite=True) serves them")
 
 
 def _check_tensor(where: str, name: str, what: str, t) -> None:

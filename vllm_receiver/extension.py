@@ -87,22 +87,31 @@ class FairCastWorkerExtension:
         return dict(modules=modules, shapes=shapes, dtypes=dtypes, fused=fused, stored=stored, tied=tied, vocab=vocab,
                     embedding=embedding, in_place=in_place, dtype=dtype_name(compat.dtype(self)), tp=tp, pp=pp)
 
-    def faircast_map(self, path: str, size: int, replaces: str | None) -> int:
-        """Map a receiver's shared buffer, known by its ``path`` from now on, dropping the one it ``replaces`` (that
-        receiver's smaller one); every receiver of the engine has its own. Returns its size."""
+    def faircast_map(self, path: str, size: int, name: str, replaces: str | None) -> int:
+        """Map a receiver's shared buffer ``name`` at ``path`` (:meth:`SharedBuffer.open`: only that memory file
+        is mapped), known by its ``name`` from now on, dropping the one it ``replaces`` (that receiver's smaller
+        one); every receiver of the engine has its own. Returns its size.
+
+        Raises:
+            ValueError: ``path`` is not the buffer ``name`` (a file, another memory file), naming it; nothing is
+                mapped or dropped. OSError: it cannot be opened."""
+        buffer = SharedBuffer.open(path, size, name)
         buffers = self.__dict__.setdefault("_faircast_buffers", {})
         buffers.pop(replaces, None)
-        buffers[path] = SharedBuffer(path, size)
+        buffers[name] = buffer
         return size
 
-    def _faircast_buffer(self, path: str) -> SharedBuffer:
-        return self._faircast_buffers[path]
+    def _faircast_buffer(self, name: str) -> SharedBuffer:
+        buffer = self.__dict__.get("_faircast_buffers", {}).get(name)
+        if buffer is None:
+            raise KeyError(f"vllm_receiver: no shared buffer named {name!r} is mapped in this worker")
+        return buffer
 
     @torch.no_grad()
     def faircast_read(self, buffer: str, layout: dict, names: list[str] | None, digests: bool) -> dict | list[Spec]:
         """The engine's effective checkpoint tensors ``names`` (None: all; with a tied head also ``lm_head.weight``,
         what the head computes with), read back through their kernels: ``{name: digest}``, or written into the
-        shared buffer ``buffer`` and returned as specs."""
+        shared buffer named ``buffer`` and returned as specs."""
         tensors = self._faircast_effective(layout, None if names is None else set(names))
         if digests:
             return {name: digest(t, name in layout["stored"]) for name, t in tensors}
@@ -142,8 +151,8 @@ class FairCastWorkerExtension:
         return {"version": current + 1}
 
     def faircast_push(self, buffer: str, specs: list[Spec], repack_head: bool, expect: int | None) -> dict:
-        """Rebuild the layers of the tensors ``specs`` name in the shared buffer ``buffer`` (whole layers, checkpoint
-        format) through the in-place reload, and repack the tied head if asked, over version ``expect``
+        """Rebuild the layers of the tensors ``specs`` name in the shared buffer named ``buffer`` (whole layers,
+        checkpoint format) through the in-place reload, and repack the tied head if asked, over version ``expect``
         (:meth:`faircast_version`)."""
         buf = self._faircast_buffer(buffer)
 
@@ -162,7 +171,7 @@ class FairCastWorkerExtension:
     def faircast_patch(self, buffer: str, patches: list[list], dtype: str, repack_head: bool,
                        expect: int | None) -> dict:
         """Write sparse patches ``[name, full shape, index spec, values spec]`` (index and values in the shared
-        buffer ``buffer``) in place, through vLLM's sparse patch path, and repack the tied head if asked, over
+        buffer named ``buffer``) in place, through vLLM's sparse patch path, and repack the tied head if asked, over
         version ``expect`` (as :meth:`faircast_push`)."""
         buf = self._faircast_buffer(buffer)
 

@@ -260,7 +260,7 @@ void cast_error_feedback_multi(const std::vector<torch::Tensor>& masters, std::v
 namespace {
 
 constexpr float E4M3_MAX = 448.0f, FP32_MAX = 3.40282347e38f;
-enum Fp8Mode { F_NEAREST, F_STOCHASTIC, F_ERROR_FEEDBACK };
+enum Fp8Mode { F_NEAREST, F_STOCHASTIC, F_ERROR_FEEDBACK };  // the codes of faircast_dist.fused.KERNEL_CODES
 
 inline bool finite32(float v) { return (f2u(v) & MAG) < INF; }
 inline float bf16_value(float v) {  // .to(bfloat16).float(): RTN for finite v, non-finite v as is
@@ -298,7 +298,7 @@ inline uint32_t e4m3_code(float y, float s, uint32_t r) {
     sub = f2u(u2f(ab) + 16384.0f) - 0x46800000u;
   }
   const uint32_t code = sel(ab >= 0x3c800000u, normal, sub);
-  return sel(finite32(y), ((qb & SIGN) >> 24) | code, 0x7fu);
+  return ((f2u(y) & SIGN) >> 24) | sel(finite32(y), code, 0x7fu);  // (y's sign: s > 0; a NaN keeps its own)
 }
 
 // The fp32 value of an E4M3 code (a NaN for 0x7f / 0xff; payloads may differ from the spec's).
