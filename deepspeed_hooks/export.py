@@ -344,8 +344,6 @@ class OptimizerExport:
             if state.get(RESIDUAL_KEY) is not None:  # torch's Optimizer.load_state_dict casts float state to the
                 state[RESIDUAL_KEY] = state[RESIDUAL_KEY].to(RESIDUAL_DTYPES[self.caster.config.residual_dtype]
                                                              ).view(hp.shape)  # param dtype: undo it
-            if self.state.fp8 is None or not self.caster.method.needs_residual:
-                state.pop(FP8_RESIDUAL_KEY, None)
         snap = None if step is None else self._snapshot(groups, int(step))
         self.state.restore(snap, self.shards(groups))
         for hp, _ in groups:  # copied into the export state (or not wanted)
@@ -358,19 +356,17 @@ class OptimizerExport:
         codes = {state.get(METHOD_KEY) for state in states}
         code = next(iter(codes)) if len(codes) == 1 else None
         scales = next((st[FP8_SCALES_KEY] for st in states if st.get(FP8_SCALES_KEY) is not None), None)
-        snap = ExportSnapshot(step, None if code is None else list(Method)[code],
-                              fp8_scales=scales if self.state.fp8 is not None else None)
-        entries = ((RESIDUAL_KEY, snap.residuals, None), (SERVED_KEY, snap.served, torch.bfloat16),
-                   (FP8_KEY, snap.fp8, torch.uint8), (FP8_RESIDUAL_KEY, snap.fp8_residuals, torch.float32))
-        for i, ((hp, fragments), state) in enumerate(zip(groups, states)):
-            for key, into, dtype in entries:
+        entries = {}  # snapshot field -> {shard key: view}, for the state keys some group holds (every group: saved alike)
+        for field, key, dtype in (("residuals", RESIDUAL_KEY, None), ("served", SERVED_KEY, torch.bfloat16),
+                                  ("fp8", FP8_KEY, torch.uint8), ("fp8_residuals", FP8_RESIDUAL_KEY, torch.float32)):
+            for i, ((hp, fragments), state) in enumerate(zip(groups, states)):
                 value = state.get(key)
                 if value is None:
                     continue
                 value = value.view(-1) if dtype is None else value.to(dtype).view(-1)
                 for shard, start, master, out, _ in self.buffers(i, hp, fragments):
-                    into[shard] = value.narrow(0, start, (out if key == SERVED_KEY else master).numel())
-        return snap
+                    entries.setdefault(field, {})[shard] = value.narrow(0, start, (out if key == SERVED_KEY else master).numel())
+        return ExportSnapshot(step, None if code is None else list(Method)[code], fp8_scales=scales, **entries)
 
     def _load_universal(self, folder: str) -> None:
         if not os.path.exists(os.path.join(folder, "zero", UNIVERSAL_STATE_FILE)):

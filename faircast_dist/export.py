@@ -144,28 +144,30 @@ class ExportSnapshot:
 
     Per-element entries are keyed by shard key, each a 1-D tensor indexed like the shard's master (the snapshot of
     a live state holds views: write it out before the next export). An adapter translates it to and from its
-    framework's checkpoint; an entry the checkpoint lacks is left out.
+    framework's checkpoint. An entry is None where the checkpoint holds none of it, and then on every rank alike (the
+    rules of :meth:`ExportState.restore` follow from it, and some of them cast, collectively); a dict holds the
+    entry of each of the rank's shards (none for a rank that holds no such shard).
 
     Attributes:
         step: the export step (the optimizer steps the served copy is of).
         method: the method that served (None: the checkpoint records none).
         seed: the seed of the random bits (None: not recorded).
-        residuals: error feedback: ``{key: residual}`` (any float dtype; where the method now is not error feedback
-            an adapter that did not read them may give None values: the rule only drops them).
+        residuals: error feedback: ``{key: residual}`` (any float dtype). Where the method now is not error feedback
+            an adapter that did not read them gives ``{}``: the rule only drops them.
         served: ``{key: bfloat16}``: what was served (restored into the shards' ``out`` on load).
-        fp8_scales: ``format "fp8"``: ``{param name: float32 scales}``; None: no FP8 state saved.
-        fp8: ``{key: uint8}``: the E4M3 bits served.
+        fp8_scales: ``format "fp8"``: ``{param name: float32 scales}``.
+        fp8: ``{key: uint8}``: the E4M3 bits served (float8_e4m3fn is taken bit for bit too).
         fp8_residuals: ``{key: float32}``: error feedback's FP8 residuals.
     """
 
     step: int
     method: Method | None = None
     seed: int | None = None
-    residuals: dict = dataclasses.field(default_factory=dict)
-    served: dict = dataclasses.field(default_factory=dict)
+    residuals: dict | None = None
+    served: dict | None = None
     fp8_scales: dict | None = None
-    fp8: dict = dataclasses.field(default_factory=dict)
-    fp8_residuals: dict = dataclasses.field(default_factory=dict)
+    fp8: dict | None = None
+    fp8_residuals: dict | None = None
 
 
 class ExportState:
@@ -193,7 +195,8 @@ class ExportState:
             the FP8 scales' absmax and gathers the FP8 copy (None: the default group; nothing without
             ``torch.distributed``).
         device: where that reduction runs (NCCL: the rank's CUDA device; default: the tensor's own).
-        replicated: every rank holds every element (DeepSpeed stage 0): nothing to reduce.
+        replicated: this state's shards hold every element of their params (DeepSpeed stage 0, where every rank
+            does; an export of whole params in one process of a distributed job): nothing to reduce.
 
     Attributes:
         caster: the :class:`~faircast_dist.FairCaster`: config, method and export step.
@@ -395,13 +398,13 @@ class ExportState:
         of the live state, not copies)."""
         ef = self.method.needs_residual
         snap = ExportSnapshot(self.step, self.method, self.config.seed,
-                              residuals={s.key: self._residual(s) for s in shards} if ef else {},
+                              residuals={s.key: self._residual(s) for s in shards} if ef else None,
                               served={s.key: s.out for s in shards})
         if self.fp8 is not None:
             shards = self.fp8_shards(shards)
             snap.fp8_scales = dict(self.fp8.scales)
             snap.fp8 = {s.key: s.fp8 for s in shards}
-            snap.fp8_residuals = {s.key: s.fp8_residual for s in shards} if ef else {}
+            snap.fp8_residuals = {s.key: s.fp8_residual for s in shards} if ef else None
         return snap
 
     @torch.no_grad()
@@ -410,16 +413,19 @@ class ExportState:
         """Take a loaded checkpoint's export state, after the framework loaded the masters (and the model): the
         one rule for every adapter, each case with one warning.
 
-        * No snapshot (a checkpoint written without Fair Cast): warned, then :meth:`restart` at ``step``.
+        * No snapshot (a checkpoint written without Fair Cast, or before the first step): warned, then
+          :meth:`restart` at ``step``.
         * The export step is the snapshot's; a keyed method with another seed is warned.
         * Residuals (:func:`residual_rule`): kept exactly, zeroed or dropped (:attr:`residuals` emptied, the
           framework's store too).
         * Served values in the snapshot are written into the shards' ``out``; error feedback keeps them for
           :meth:`replay`.
-        * ``format "fp8"`` (:class:`Fp8Restore`): the saved scales and bits (error feedback: its FP8 residuals,
-          else zeros, warned); saved scales without bits: the copy cast again at the export step from the loaded
-          masters, which is what was served; no FP8 state: scales set afresh and the copy cast (warned). A cast
-          here is collective (every rank restores together).
+        * ``format "fp8"`` (:class:`Fp8Restore`): the saved scales and bits (error feedback: with its FP8 residuals;
+          without them: residuals from zero, warned); saved scales without bits: the copy cast again at the export
+          step from the loaded masters, which is what was served for a stateless method; no FP8 state: scales set
+          afresh and the copy cast (warned). FP8 state the config no longer serves (format bf16 now, params
+          ``fp8_exclude`` keeps bf16 now) is dropped, warned. A cast here is collective: the decisions follow
+          from which entries the snapshot holds, the same on every rank.
 
         Args:
             snapshot: what the adapter read from the checkpoint, or None.
@@ -433,22 +439,26 @@ class ExportState:
             :class:`Restored`.
 
         Raises:
-            ValueError: a per-element entry whose size is not its shard's (saved under another layout), or FP8
-                scales that do not fit (:meth:`faircast_dist.fp8.Fp8Export.load_scales`).
+            ValueError: a negative step; a per-element entry missing for a shard, or whose size is not its shard's
+                (saved under another layout); or FP8 scales that do not fit
+                (:meth:`faircast_dist.fp8.Fp8Export.load_scales`).
         """
         ef = self.method.needs_residual
         self.telemetry.reset()  # the served model is replaced: the next export primes again
         if snapshot is None:
             said = ["the export step " + ("follows the trainer's iteration" if step is None else f"is {step}")]
             said += ["residuals start at zero"] * ef + ["FP8 scales are set afresh from the loaded masters"] * bool(self.fp8)
-            warn(f"the checkpoint has no export-cast state (written without Fair Cast?): {', '.join(said)}")
+            warn(f"the checkpoint has no export-cast state (written without Fair Cast, or before the first step?): "
+                 f"{', '.join(said)}")
             self.restart(shards, step)
             return Restored(Residuals.ZERO if ef else Residuals.NONE, Fp8Restore.AFRESH if self.fp8 else None, False)
+        if int(snapshot.step) < 0:
+            raise ValueError(f"export cast: the checkpoint's export step is {snapshot.step}, not a step count")
         self.caster.step = int(snapshot.step)
         if self.method.keyed and snapshot.seed is not None and snapshot.seed != self.config.seed:
             warn(f"the checkpoint was written with seed {snapshot.seed}, the config now says {self.config.seed}: the "
                  "random bits change from here")
-        rule, message = residual_rule(self.method, bool(snapshot.residuals), snapshot.method)
+        rule, message = residual_rule(self.method, snapshot.residuals is not None, snapshot.method)
         if rule is Residuals.ZERO and missing_residuals is not None:
             message = missing_residuals
         if message:
@@ -463,27 +473,32 @@ class ExportState:
                     residual.zero_()
         elif rule is Residuals.DROP:
             self.residuals.clear()
-        for s in shards:
-            if s.key in snapshot.served:
+        if snapshot.served is not None:
+            for s in shards:
                 _take(s.out, snapshot.served, s.key, "served value")
         self.keep_served(shards)
-        return Restored(rule, self._restore_fp8(snapshot, shards, rule), bool(snapshot.served))
+        return Restored(rule, self._restore_fp8(snapshot, shards), snapshot.served is not None)
 
-    def _restore_fp8(self, snapshot: ExportSnapshot, shards: Sequence[Shard], rule: Residuals) -> Fp8Restore | None:
+    def _restore_fp8(self, snapshot: ExportSnapshot, shards: Sequence[Shard]) -> Fp8Restore | None:
         """:meth:`restore`'s FP8 part (see there)."""
+        saved = snapshot.fp8_scales
+        dropped = sorted(set(saved or ()) - set(self.fp8.shapes if self.fp8 is not None else ()))
+        if dropped:
+            warn(f"the checkpoint has FP8 export state for {len(dropped)} params served bf16 now ({dropped[:3]}"
+                 f"{' ...' if len(dropped) > 3 else ''}: format or fp8_exclude changed): dropping it")
         if self.fp8 is None or not self.fp8.shapes:  # (e.g. Megatron's expert optimizer with the experts bf16)
             return None
         ef = self.method.needs_residual
         shards = self.fp8_shards(shards)
         held = [s for s in shards if self.fp8.runs(s.runs)]
-        if snapshot.fp8_scales is None:
+        if saved is None:
             warn("the checkpoint has no FP8 export state: FP8 scales are set afresh from the loaded masters"
                  + (", FP8 residuals start at zero" if ef else ""))
             self._fp8_afresh(shards)
             return Fp8Restore.AFRESH
-        self.fp8.load_scales(snapshot.fp8_scales)
-        bits = all(s.key in snapshot.fp8 for s in held)
-        if ef and not all(s.key in snapshot.fp8_residuals for s in held):
+        self.fp8.load_scales(saved)
+        bits = snapshot.fp8 is not None
+        if ef and not (bits and snapshot.fp8_residuals is not None):
             warn("the checkpoint has no FP8 error-feedback residuals: they start at zero; its FP8 scales are kept")
             for s in shards:
                 s.fp8_residual.zero_()
@@ -531,9 +546,11 @@ def _take(target: torch.Tensor, saved: dict, key: Hashable, what: str) -> None:
     Raises:
         ValueError: ``key`` missing from ``saved``, or of another size than ``target`` (named).
     """
-    if key not in saved:
+    if saved.get(key) is None:
         raise ValueError(f"export cast: the checkpoint has no {what} for shard {key!r}")
     value = saved[key].reshape(-1)
+    if value.dtype == torch.float8_e4m3fn and target.dtype == torch.uint8:  # FP8 bits: bit for bit, not by value
+        value = value.view(torch.uint8)
     if value.numel() != target.numel():
         raise ValueError(f"export cast: the checkpoint's {what} of shard {key!r} has {value.numel()} elements, the "
                          f"shard {target.numel()} (saved under another layout?)")

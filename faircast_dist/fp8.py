@@ -470,11 +470,11 @@ class Fp8Export:
 
         Raises:
             ValueError: a scale tensor of the wrong shape for its param's layout (named), missing scales for some
-                FP8 params while others have them (another ``fp8_exclude`` or model: named), or scales that are not
-                powers of two under ``fp8_ue8m0`` (the bits were cast with them; sticky, they would stay).
+                FP8 params (another ``fp8_exclude`` or model: named), or scales that are not powers of two under
+                ``fp8_ue8m0`` (the bits were cast with them; sticky, they would stay).
         """
         missing = sorted(set(self.shapes) - set(scales))
-        if scales and missing:
+        if missing:
             raise ValueError(f"export_cast FP8: the checkpoint has no scales for {missing[:4]}"
                              f"{' ...' if len(missing) > 4 else ''} (saved with another fp8_exclude or model, or before "
                              f"these params were FP8: transformers 5's fused experts are since faircast's 2026-12-05 "

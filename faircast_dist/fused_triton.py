@@ -204,7 +204,7 @@ if available():
             x = b.to(tl.float32, bitcast=True)
             e = tl.load(res_ptr + pos, mask=mask, other=0.0)
             finite = (b & 0x7FFFFFFF) < 0x7F800000
-            y = tl.where(e == 0.0, x, x + e)  # -0 + 0 would give +0: keep the master's sign
+            y = tl.where((e == 0.0) | ~finite, x, x + e)  # -0 + 0 gives +0, a GPU NaN + e any NaN: the master
             yb = y.to(tl.uint32, bitcast=True)
             y = tl.where(finite & ((yb & 0x7FFFFFFF) == 0x7F800000), (yb & 0x80000000) | 0x7F7FFFFF,
                          yb).to(tl.float32, bitcast=True)  # saturate at fp32 max

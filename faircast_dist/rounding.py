@@ -308,8 +308,9 @@ def cast_fp8_nearest(master: torch.Tensor, scale: torch.Tensor, via_bf16: bool =
         TypeError / ValueError: on wrong dtypes or shapes.
     """
     _check_fp8_args(master, scale)
-    x = master.to(torch.bfloat16).float() if via_bf16 else master
-    return e4m3_round(_scaled(x, scale))
+    if via_bf16:  # (a non-finite master as it is: torch's cast may flip a NaN's sign)
+        master = torch.where(torch.isfinite(master), master.to(torch.bfloat16).float(), master)
+    return e4m3_round(_scaled(master, scale))
 
 
 def cast_fp8_stochastic(master: torch.Tensor, scale: torch.Tensor, key: tuple[int, int],
@@ -348,8 +349,9 @@ def cast_fp8_error_feedback(master: torch.Tensor, scale: torch.Tensor, residual:
     if residual.dtype != torch.float32 or residual.shape != master.shape or not residual.is_contiguous():
         raise ValueError(f"residual must be a contiguous float32 tensor shaped like the master shard "
                          f"{tuple(master.shape)}, got {residual.dtype} {tuple(residual.shape)}")
-    y = torch.where(residual == 0, master, master + residual)  # -0 + 0 would give +0: keep the master's sign
-    y = torch.where(torch.isfinite(master), torch.clamp(y, -_FP32_MAX, _FP32_MAX), y)  # never Inf from finite
+    finite = torch.isfinite(master)  # (a non-finite master as it is: its NaN's sign too)
+    y = torch.where((residual == 0) | ~finite, master, master + residual)  # -0 + 0 would give +0: keep the sign
+    y = torch.where(finite, torch.clamp(y, -_FP32_MAX, _FP32_MAX), y)  # never Inf from finite
     q = e4m3_round(_scaled(y, scale))
     residual.copy_(torch.where(torch.isfinite(master), y - q.float() * scale, residual))
     return q

@@ -74,10 +74,10 @@ def _restore(ex, state: dict | None, saved_residuals: bool, step: int = 0) -> No
     optimizer step, else the next all-gather casts the loaded masters."""
     snap = None if state is None else ExportSnapshot(
         int(state["step"]), Method(state["method"]) if state.get("method") else None, state.get("seed"),
-        # (not requested: the method now is no error feedback, and the rule drops them)
-        residuals=ex.locals(state["residual"]) if "residual" in state else dict.fromkeys(ex.names) if saved_residuals
-        else {}, served=ex.locals(state.get("served")), fp8_scales=state.get("fp8_scales"),
-        fp8=ex.locals(state.get("fp8")), fp8_residuals=ex.locals(state.get("fp8_residual")))
+        # (saved but not requested: the method now is no error feedback, and the rule drops them)
+        residuals=ex.locals(state["residual"]) if "residual" in state else {} if saved_residuals else None,
+        served=ex.locals(state.get("served")), fp8_scales=state.get("fp8_scales"), fp8=ex.locals(state.get("fp8")),
+        fp8_residuals=ex.locals(state.get("fp8_residual")))
     if ex.state.restore(snap, ex.shards(), step=step).served:
         ex.loaded()
     else:
@@ -151,5 +151,8 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
         state[KEY] = request
     dcp.load(state, checkpoint_id=checkpoint_id)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    prefix = f"{KEY}.fp8_scales."
+    if "step" in request and ours.export.state.fp8 is None and any(s.startswith(prefix) for s in saved):
+        request["fp8_scales"] = dict.fromkeys(s[len(prefix):] for s in saved if s.startswith(prefix))  # (warned, dropped)
     steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]  # without Fair Cast state: the optimizer's
     _restore(ours.export, request if "step" in request else None, saved_residuals, step=max(steps, default=0))

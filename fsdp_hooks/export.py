@@ -169,9 +169,11 @@ class FsdpExport:
                                            p.placements, run_check=False, shape=p.shape, stride=p.stride())
         return out
 
-    def locals(self, dtensors: dict | None) -> dict:
+    def locals(self, dtensors: dict | None) -> dict | None:
         """``{name: 1-D tensor of FSDP's padded shard size}``: each loaded DTensor's local block, zero-padded as the
-        shard is (the inverse of :meth:`dtensors`); ``{}`` for None."""
+        shard is (the inverse of :meth:`dtensors`); None for None."""
+        if dtensors is None:
+            return None
         out = {}
         for name, fp in zip(self.names, self.params):
             if dtensors and name in dtensors:

@@ -56,10 +56,9 @@ from typing import Callable
 import torch
 
 from faircast_dist import ExportCastConfig, FairCaster
-from faircast_dist.config import STATE_KEY
+from faircast_dist.config import RESIDUAL_DTYPES, STATE_KEY, Method
 from faircast_dist.copy_hook import ReplaceCopies
-from faircast_dist.config import RESIDUAL_DTYPES, Method
-from faircast_dist.export import ExportSnapshot, ExportState, Shard, fp8_note
+from faircast_dist.export import ExportSnapshot, ExportState, Shard, fp8_note, warn
 from faircast_dist.fp8 import fp8_param
 from faircast_dist.shards import from_bits, to_bits
 from faircast_dist.telemetry import DriftObserver, ExportObserver, sample_stride
@@ -362,6 +361,13 @@ class MegatronExport:
             metadata.update({key: True for key, on in ((RESIDUALS_METADATA_KEY, ef), (FP8_METADATA_KEY, fp8 is not None),
                                                        (FP8_BITS_METADATA_KEY, fp8 is not None)) if on})
         fp8_saved, residuals = fp8 is not None and saved(FP8_METADATA_KEY), ef and saved(RESIDUALS_METADATA_KEY)
+        if is_loading and metadata is not None and metadata.get(FP8_METADATA_KEY):
+            if fp8 is None:
+                warn("the checkpoint has FP8 export state but the format is now bf16: dropping it")
+            elif not (metadata.get(FP8_BITS_METADATA_KEY) or metadata.get(RESIDUALS_METADATA_KEY)):
+                warn("the checkpoint holds FP8 scales but not the FP8 bits served (written by faircast before "
+                     "2026-12-06): the FP8 copy is cast again from the loaded masters with this version's key for "
+                     "the step, not the one that was served")
         if fp8_saved:  # every rank holds every scale: global rank 0 writes them, every rank reads them
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             state["fp8_scales"] = compat.ShardedObject(f"optimizer.{STATE_KEY}.fp8_scales.{self.index}",
@@ -379,6 +385,10 @@ class MegatronExport:
             return state  # a load without residuals starts them at zero (load())
         entries = model_entries(self.model_chunks, model_sharded_state_dict or None)
         shards = {id(s.model_param): s for s in self.shards()}
+        # FP8 entries: of every param whose checkpoint tensor holds an FP8 param (Megatron stacks a tensor's layers in
+        # one entry: fp8_exclude may keep some bf16, whose entries are then zeros)
+        fp8_keys = {entries[id(p)].key for p, layout in self._all_params()
+                    if fp8 is not None and layout.name in fp8.shapes and id(p) in entries}
         # every rank lists every param (dist-checkpointing checks that main replicas cover each
         # tensor, on load too); a rank keeps only its own range after loading
         for kind, prefix, field, dtype in kinds:
@@ -388,7 +398,7 @@ class MegatronExport:
                 if entry is None:
                     raise ValueError(f"Fair Cast: param {layout.name!r} is missing from the model "
                                      "sharded_state_dict handed to the optimizer")
-                if kind != "residual" and layout.name not in fp8.shapes:
+                if kind != "residual" and entry.key not in fp8_keys:
                     continue
                 data = (torch.empty(param.shape, dtype=dtype, device=param.device) if is_loading
                         else self._full(param, shards, getattr(snap, field), dtype))
@@ -429,15 +439,15 @@ class MegatronExport:
                               fp8_residuals=self._ranges(state.get("fp8_residual"), "FP8 residual", fp8=True))
         self.state.restore(snap, operands, missing_residuals=unrequested)
 
-    def _ranges(self, saved: dict | None, what: str, fp8: bool = False) -> dict:
+    def _ranges(self, saved: dict | None, what: str, fp8: bool = False) -> dict | None:
         """``{id(model param): this rank's range}`` of each saved whole tensor (``saved``: ``{canonical name: tensor}``;
-        ``fp8``: of the FP8 params only); ``{}`` when nothing was saved.
+        ``fp8``: of the FP8 params only); None when the checkpoint holds none.
 
         Raises:
             ValueError: a param missing from ``saved``, or a saved tensor too small for it (named).
         """
-        if not saved:
-            return {}
+        if saved is None:
+            return None
         out = {}
         for shard in self.shards():
             name = shard.layout.name

@@ -148,9 +148,11 @@ class Exports:
                                  f"{tuple(master0[n].shape) if n in master0 else '(no such param)'}, "
                                  f"got {mask.dtype} {tuple(mask.shape)}")
         self.numel = sum(self._count(n, master0[n]) for n in self.names)
-        self.states = {m: ExportState(export_cast_config(m, seed), replays=False) for m in METHODS}  # the core
+        # the core, on rank 0's whole masters (replicated: its FP8 scales reduce over no other rank)
+        self.states = {m: ExportState(export_cast_config(m, seed), replays=False, replicated=True) for m in METHODS}
         shapes = {n: tuple(master0[n].shape) for n in self.names}
-        self.states.update({a: ExportState(export_cast_config(a, seed), replays=False, shapes=shapes) for a in FP8_ARMS})
+        self.states.update({a: ExportState(export_cast_config(a, seed), replays=False, shapes=shapes, replicated=True)
+                            for a in FP8_ARMS})
         self.served = {m: {n: master0[n].to(torch.bfloat16) for n in self.names} for m in METHODS}
         # each method's next export is written into its spare set, which then swaps with the served
         # one: like a trainer's bf16 buffers, allocated once, so the export column times the cast only

@@ -154,7 +154,7 @@ def run_stage(stage: int, model_path: str, initial: dict[str, torch.Tensor]) -> 
     if export is not None:
         masters = export.gather()
         reference = FairCaster(export.caster.config)
-        reference.step = export.caster.step - 1
+        reference.step = export.caster.step  # the export after the k-th step draws step k's bits
         mismatch = 0
         for name, _ in params:
             m = masters[name]

@@ -102,10 +102,9 @@ def train(state: ExportState, steps: range, served: list) -> None:
 
 def copied(snap: ExportSnapshot) -> ExportSnapshot:
     """What a checkpoint gives back of a snapshot: copies, in another process's memory."""
-    clone = lambda d: {k: t.clone() for k, t in d.items()}  # noqa: E731
+    clone = lambda d: None if d is None else {k: t.clone() for k, t in d.items()}  # noqa: E731
     return ExportSnapshot(snap.step, snap.method, snap.seed, clone(snap.residuals), clone(snap.served),
-                          None if snap.fp8_scales is None else clone(snap.fp8_scales), clone(snap.fp8),
-                          clone(snap.fp8_residuals))
+                          clone(snap.fp8_scales), clone(snap.fp8), clone(snap.fp8_residuals))
 
 
 @pytest.mark.parametrize("config", [*CONFIGS.values(), *FP8.values()],
@@ -141,7 +140,7 @@ def test_fp8_scales_without_bits_recast_what_was_served(method):
     masters = masters_at(101)
     saved = first.full_fp8(shards(masters, outs_like(masters)))
     snap = copied(first.snapshot(shards(masters, outs_like(masters))))
-    snap.fp8 = {}
+    snap.fp8 = None
     second = ExportState(FP8[method], shapes=SHAPES)
     pieces = shards(masters, outs_like(masters))
     assert second.restore(snap, pieces).fp8 is Fp8Restore.RECAST
@@ -160,7 +159,7 @@ def test_restore_applies_the_residual_rule_and_warns_once(now, saved_method, sav
     masters = masters_at(0)
     state.export(shards(masters, outs_like(masters)))
     snap = ExportSnapshot(7, None if saved_method is None else Method(saved_method),
-                          residuals={n: torch.full((m.numel(),), 0.25) for n, m in masters.items()} if saved else {})
+                          residuals={n: torch.full((m.numel(),), 0.25) for n, m in masters.items()} if saved else None)
     with caplog.at_level(logging.WARNING, logger="faircast"):
         restored = state.restore(snap, shards(masters, outs_like(masters)))
     want = ((Residuals.KEEP if saved else Residuals.ZERO) if now == "error_feedback"
@@ -215,9 +214,9 @@ def test_a_checkpoint_without_export_state_warns_once_and_restarts(caplog):
     pieces = shards(masters, outs_like(masters))
     with caplog.at_level(logging.WARNING, logger="faircast"):
         restored = state.restore(None, pieces, step=4)
-    assert warnings(caplog) == ["Fair Cast: the checkpoint has no export-cast state (written without Fair Cast?): the "
-                                "export step is 4, residuals start at zero, FP8 scales are set afresh from the loaded "
-                                "masters"]
+    assert warnings(caplog) == ["Fair Cast: the checkpoint has no export-cast state (written without Fair Cast, or before "
+                                "the first step?): the export step is 4, residuals start at zero, FP8 scales are set "
+                                "afresh from the loaded masters"]
     assert restored == (Residuals.ZERO, Fp8Restore.AFRESH, False) and state.step == 4
     assert all(not r.any() for r in state.residuals.values())
     fresh = ExportState(FP8["error_feedback"], shapes=SHAPES)
@@ -297,3 +296,72 @@ def test_a_shard_may_carry_a_view_of_a_larger_residual():
     want = [ref.cast("a", group[:5], residual=want_residual[:5]), ref.cast("b", group[5:], residual=want_residual[5:])]
     assert all(torch.equal(bits(o), bits(w)) for o, w in zip(outs, want))
     assert torch.equal(bits(residual), bits(want_residual))
+
+
+def test_fp8_decisions_follow_the_snapshot_not_the_ranks_shards():
+    """A rank holding no FP8 param casts with the others when the checkpoint lacks the FP8 bits (a recast is a
+    collective: the decision follows from the snapshot's entries, the same on every rank); counted here by the MAX
+    reduces the rank joins."""
+    state = ExportState(FP8["stochastic"], shapes=SHAPES)
+    reduces = []
+    state.reduce_max = lambda t: reduces.append(t.numel())
+    only_bias = {"b": masters_at(0)["b"]}  # this rank holds no FP8 element
+    snap = ExportSnapshot(3, Method.STOCHASTIC, 11, served={"b": torch.zeros(9, dtype=torch.bfloat16)},
+                          fp8_scales={"w.weight": torch.ones(6, 1)}, fp8=None)
+    assert state.restore(snap, shards(only_bias, outs_like(only_bias))).fp8 is Fp8Restore.RECAST
+    assert reduces == [6]  # the one all-reduce of the recast, joined
+
+
+def test_fp8_state_the_config_no_longer_serves_is_dropped_with_a_warning(caplog):
+    """Scales of a param served bf16 now (another fp8_exclude), or an FP8 checkpoint into a bf16 state: dropped,
+    warned (nothing lost silently); FP8 bits given as float8 are taken bit for bit."""
+    masters = masters_at(0)
+    snap = ExportSnapshot(1, Method.STOCHASTIC, 11, fp8_scales={"w.weight": torch.ones(6, 1), "old.weight": torch.ones(2, 1)},
+                          fp8={"w.weight": torch.arange(30, dtype=torch.uint8).view(torch.float8_e4m3fn), "b": torch.zeros(9, dtype=torch.uint8)})
+    state = ExportState(FP8["stochastic"], shapes=SHAPES)
+    with caplog.at_level(logging.WARNING, logger="faircast"):
+        state.restore(snap, shards(masters, outs_like(masters)))
+        ExportState(CONFIGS["stochastic"]).restore(snap, shards(masters, outs_like(masters)))
+    assert [w for w in warnings(caplog)] == [
+        "Fair Cast: the checkpoint has FP8 export state for 1 params served bf16 now (['old.weight']: format or "
+        "fp8_exclude changed): dropping it",
+        "Fair Cast: the checkpoint has FP8 export state for 2 params served bf16 now (['old.weight', 'w.weight']: "
+        "format or fp8_exclude changed): dropping it"]
+    assert torch.equal(state.fp8_outs["w.weight"], torch.arange(30, dtype=torch.uint8))
+
+
+def test_a_rank_holding_no_shard_of_a_saved_entry_keeps_the_rule_of_the_others(caplog):
+    """An empty dict is "saved, none of it on this rank": error feedback keeps (no warning), as on the ranks that hold
+    residuals; None is "not saved": zero, warned."""
+    state = ExportState(CONFIGS["error_feedback"])
+    with caplog.at_level(logging.WARNING, logger="faircast"):
+        assert state.restore(ExportSnapshot(2, Method.ERROR_FEEDBACK, residuals={}), []).residuals is Residuals.KEEP
+    assert warnings(caplog) == []
+
+
+def test_error_feedback_fp8_without_the_bits_starts_its_residuals_at_zero(caplog):
+    """FP8 residuals without the bits they belong to cannot be resumed exactly: zeros, warned (not a recast that
+    moves them silently)."""
+    first = ExportState(FP8["error_feedback"], shapes=SHAPES)
+    train(first, range(2), [])
+    masters = masters_at(101)
+    snap = copied(first.snapshot(shards(masters, outs_like(masters))))
+    snap.fp8 = None
+    state = ExportState(FP8["error_feedback"], shapes=SHAPES)
+    with caplog.at_level(logging.WARNING, logger="faircast"):
+        assert state.restore(snap, shards(masters, outs_like(masters))).fp8 is Fp8Restore.ZERO
+    assert warnings(caplog) == ["Fair Cast: the checkpoint has no FP8 error-feedback residuals: they start at zero; its "
+                                "FP8 scales are kept"]
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("served", {"b": torch.zeros(9, dtype=torch.bfloat16)}, "no served value for shard 'w.weight'"),
+    ("residuals", {"w.weight": None, "b": torch.zeros(9)}, "no error-feedback residual for shard 'w.weight'"),
+    ("fp8_scales", {}, r"no scales for \['w.weight'\]")])
+def test_a_snapshot_missing_an_entry_of_a_shard_is_refused_by_name(field, value, match):
+    masters = masters_at(0)
+    state = ExportState(FP8["error_feedback"], shapes=SHAPES)
+    snap = ExportSnapshot(1, Method.ERROR_FEEDBACK, residuals={n: torch.zeros(m.numel()) for n, m in masters.items()})
+    setattr(snap, field, value)
+    with pytest.raises(ValueError, match=match):
+        state.restore(snap, shards(masters, outs_like(masters)))

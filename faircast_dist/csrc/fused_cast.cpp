@@ -315,7 +315,7 @@ void fp8_run(const float* __restrict x, const uint16_t* __restrict r, float* __r
     for (int64_t i = 0; i < n; ++i) {
       const float xi = x[i], e = res[i];
       const bool finite = finite32(xi);
-      float y = self(e == 0.0f, xi, xi + e);  // -0 + 0 would give +0: keep the master's sign
+      float y = self(e == 0.0f || !finite, xi, xi + e);  // -0 + 0 would give +0, NaN + e any NaN: the master
       y = self(finite & ((f2u(y) & MAG) == INF), u2f((f2u(y) & SIGN) | 0x7f7fffffu), y);  // saturate at fp32 max
       const uint32_t code = e4m3_code<F_NEAREST>(y, s, 0);
       out[i] = (uint8_t)code;
