@@ -876,12 +876,12 @@ def main(argv=None) -> list[dict]:
     if args.start_on_fp8_grid:
         start_on_fp8_grid(init_model, arm_export_cast("fp8_nearest", 0, args))
     args.init_sha = state_sha(init_model)
-    # started once per launch (vLLM: 20-60 s here); every arm's first sync replaces its weights; the oracle
-    # arm has an fp32 engine of its own
+    # started once per launch (vLLM: 20-60 s here, the engines side by side); every arm's first sync replaces its
+    # weights; the oracle arm has an fp32 engine of its own
     dtypes = {arm: "float32" if arm == ORACLE else "fp8" if arm in FP8_ARMS else "bfloat16" for arm in args.arms}
-    rollouts = {d: VllmEngine(init_model, task.eos, task.pad, args.out_dir, dtype=d) if args.engine == "vllm"
-                else RolloutEngine(init_model, task.eos, task.pad, dtype=getattr(torch, d))
-                for d in sorted(set(dtypes.values()))}
+    kinds = sorted(set(dtypes.values()))
+    rollouts = VllmEngine.start_many(init_model, task.eos, task.pad, args.out_dir, kinds) if args.engine == "vllm" \
+        else {d: RolloutEngine(init_model, task.eos, task.pad, dtype=getattr(torch, d)) for d in kinds}
     masters = RolloutEngine(init_model, task.eos, task.pad, dtype=torch.float32)  # scores each arm's masters
     records: list[dict] = []
     bar = tqdm(total=args.pairs * len(args.arms) * args.steps, desc="GRPO", disable=rank != 0)
@@ -903,6 +903,8 @@ def main(argv=None) -> list[dict]:
         text = summarize(records, args, run_notes(records, args))
         print("\n" + text)
         print(f"Wrote {os.path.abspath(args.out_dir)}/{{steps.csv,summary.csv,summary.md,curves.png}}")
+    if args.engine == "vllm":
+        VllmEngine.stop_many(rollouts.values())
     dist.barrier()
     dist.destroy_process_group()
     return records

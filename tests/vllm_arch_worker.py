@@ -1,4 +1,4 @@
-"""The vLLM receiver on the architectures RL users train, and its failures (one process, engines one after another).
+"""The vLLM receiver on the architectures RL users train, and its failures (one process, an engine per case).
 
     python tests/vllm_arch_worker.py OUT_JSON
 
@@ -7,8 +7,12 @@ update to seed-1 weights, a sparse delta (where the host's CPU backend computes 
 whole-layer delta; after each, ``verify()`` and vLLM's prompt log-probs against an fp32 Hugging Face forward of
 the weights the receiver holds. Then, on Llama (its engine runs tests/vllm_faults.py's extension): a push that
 fails in the worker, one whose worker is killed, and one that hangs, each followed by a check of what the engine
-and the receiver hold, and a restarted engine attached. On the MoE models, the experts' own traps (moe_run). An
-FP8 per-channel Llama engine (fp8_run). An untested architecture (Phi-3) must be refused by name.
+and the receiver hold, and another engine of that checkpoint attached. On the MoE models, the experts' own traps
+(moe_run). An FP8 per-channel Llama engine (fp8_run). An untested architecture (Phi-3) must be refused by name.
+
+Every checkpoint is written first; then each engine starts in a thread while the ones before it are checked
+(:class:`Engines`: two starts at a time), and stops in a thread: a start or a stop is mostly waiting on the engine's
+two processes (each imports vLLM as it starts; a stop waits ~5 s for them to exit).
 """
 from __future__ import annotations
 
@@ -20,13 +24,16 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import safetensors
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the engines' workers run one OpenMP thread, unpinned: vLLM's default pins each engine's worker to core 0 (on 2 cores
+# it reserves the other for the scheduler) from its `import torch` on, so engines starting together would share a core
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")  # the worker imports vllm_faults
 COMMON = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.1)
@@ -56,12 +63,40 @@ def hf_model(arch: str, seed: int, extra: dict | None = None):
 
 def start(path: str, extension: str):
     from vllm import LLM
+    # 64 MiB of KV cache: prompts of 24 tokens (VLLM_CPU_KVCACHE_SPACE, where set, overrides it)
     return LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256, seed=0,
-               worker_extension_cls=extension)
+               worker_extension_cls=extension, kv_cache_memory_bytes=64 << 20)
 
 
-def stop(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
+class Engines:
+    """The engines of ``plan`` (``(checkpoint path, worker extension)`` pairs), handed out in its order by
+    :meth:`take`, each started in a thread while the ones before it are checked (at most ``ahead`` starting or
+    started and not taken); :meth:`stop` shuts one down in a thread, :meth:`close` the rest, waiting for all."""
+
+    def __init__(self, plan: list[tuple[str, str]], ahead: int = 2):
+        from vllm import LLM  # noqa: F401  (imported here first, not by two threads at once)
+        self.plan, self.pool, self.stopping = list(plan), ThreadPoolExecutor(ahead), []
+        self.started = [self.pool.submit(start, *self.plan.pop(0)) for _ in range(min(ahead, len(self.plan)))]
+
+    def take(self):
+        llm = self.started.pop(0).result()
+        if self.plan:
+            self.started.append(self.pool.submit(start, *self.plan.pop(0)))
+        return llm
+
+    def stop(self, llm) -> None:
+        thread = threading.Thread(target=llm.llm_engine.engine_core.shutdown, name="stop-engine")
+        thread.start()
+        self.stopping.append(thread)
+
+    def close(self) -> None:
+        self.plan.clear()
+        for future in self.started:  # (a start that failed left nothing to stop)
+            if not future.cancel() and future.exception() is None:
+                self.stop(future.result())
+        self.pool.shutdown()
+        for thread in self.stopping:
+            thread.join()
 
 
 def vllm_logprobs(llm) -> torch.Tensor:
@@ -118,12 +153,16 @@ def nudge(weights: dict[str, torch.Tensor], seed: int) -> list[tuple[str, torch.
     return deltas
 
 
-def architecture_run(arch: str, tmp: str, extension: str) -> tuple[dict, object, object]:
-    """Full update, sparse delta, whole-layer delta on ``arch``; returns (report, llm, receiver)."""
+def checkpoint(arch: str, path: str, extra: dict | None = None) -> str:
+    """``arch``'s seed-0 weights as a bf16 Hugging Face folder at ``path``; returns ``path``."""
+    hf_model(arch, 0, extra).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def architecture_run(arch: str, path: str, llm) -> tuple[dict, object]:
+    """Full update, sparse delta, whole-layer delta on ``llm``, an engine of ``arch`` started from the checkpoint
+    at ``path``; returns (report, receiver)."""
     from vllm_receiver import VllmReceiver
-    path = os.path.join(tmp, arch)
-    hf_model(arch, 0).to(torch.bfloat16).save_pretrained(path)
-    llm = start(path, extension)
     receiver = VllmReceiver(llm)
     new = {n: t.to(torch.bfloat16) for n, t in hf_model(arch, 1).state_dict().items()}
     model = hf_model(arch, 0)
@@ -147,7 +186,7 @@ def architecture_run(arch: str, tmp: str, extension: str) -> tuple[dict, object,
         rep[f"{way}_verified"] = recv.verify()
         rep[f"{way}_new"] = gap(vllm_logprobs(llm), hf_logprobs(model, recv.weights))
         receiver = recv
-    return rep, llm, receiver
+    return rep, receiver
 
 
 def moe_run(arch: str, llm, receiver) -> dict:
@@ -254,15 +293,12 @@ def dequantized(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             else t for n, t in weights.items() if not n.endswith("_scale")}
 
 
-def fp8_run(tmp: str) -> dict:
-    """An FP8 per-channel engine (compressed-tensors checkpoint made by the spec's round-to-nearest): the
-    receiver reads its FP8 bytes and scales exactly, takes a full update and a step's deltas from an FSDP2
-    trainer serving dithered FP8 (:func:`fp8_trainer`), each verified, and vLLM's log-probs follow an fp32
-    forward of q * scale."""
+def fp8_checkpoint(path: str) -> tuple[object, dict[str, torch.Tensor]]:
+    """A compressed-tensors FP8 per-channel Llama at ``path`` (seed-0 weights, the spec's round-to-nearest):
+    ``(the fp32 reference forward, which holds whatever weights it is given; the checkpoint's weights)``."""
     from safetensors.torch import save_file
-    from vllm_receiver import FP8_CHANNEL_QUANTIZATION, VllmReceiver
-    path = os.path.join(tmp, "fp8")
-    model = hf_model("LlamaForCausalLM", 0)  # the fp32 reference forward: holds whatever weights it is given
+    from vllm_receiver import FP8_CHANNEL_QUANTIZATION
+    model = hf_model("LlamaForCausalLM", 0)
     start_weights = fp8_served({n: t.clone() for n, t in model.state_dict().items()}, None)
     model.to(torch.bfloat16).save_pretrained(path)
     model.float()
@@ -272,58 +308,64 @@ def fp8_run(tmp: str) -> dict:
         config = json.load(f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(dict(config, quantization_config=FP8_CHANNEL_QUANTIZATION), f)
-    llm = start(path, "vllm_receiver.FairCastWorkerExtension")
+    return model, start_weights
+
+
+def fp8_run(llm, model, start_weights: dict[str, torch.Tensor]) -> dict:
+    """An FP8 per-channel engine started from :func:`fp8_checkpoint` (``model``, ``start_weights``: what it
+    returned): the receiver reads its FP8 bytes and scales exactly, takes a full update and a step's deltas from an
+    FSDP2 trainer serving dithered FP8 (:func:`fp8_trainer`), each verified, and vLLM's log-probs follow an fp32
+    forward of q * scale."""
+    from vllm_receiver import VllmReceiver
+    receiver = VllmReceiver(llm)
+    w = receiver.weights
+    rep = {"names_match": set(w) == set(start_weights),
+           "dtypes": sorted({str(t.dtype) for t in w.values()}),
+           "start_bytes_exact": all(same_bits(w[n], t) for n, t in start_weights.items()),
+           "sparse_possible": receiver.sparse_deltas,
+           "start_vs_hf": gap(vllm_logprobs(llm), hf_logprobs(model, dequantized(w)))}
+    old = hf_logprobs(model, dequantized(w))
+    # the trainer: an FSDP2 model of other fp32 masters with Fair Cast serving dithered FP8 (format "fp8")
+    trainer, optimizer = fp8_trainer()
+    import fsdp_hooks
+    from faircast_dist.delta import DeltaTracker
+    tracker = DeltaTracker()
+    new = dict(fsdp_hooks.served_weights(trainer))
+    for n, t in new.items():  # the tracker's baseline: what the full update sends
+        tracker.diff(n, t)
+    rep["trainer_fp8"] = sorted(n for n, t in new.items() if t.dtype == torch.float8_e4m3fn) == \
+        sorted(n for n, t in w.items() if t.dtype == torch.float8_e4m3fn)
+    receiver.load(new.items())
+    rep["full_verified"] = receiver.verify()
+    now = vllm_logprobs(llm)
+    rep["full_new"], rep["full_old"] = gap(now, hf_logprobs(model, dequantized(w))), gap(now, old)
+    receiver.load(list(w.items()))
+    rep["identical_reload_bitwise"] = torch.equal(vllm_logprobs(llm), now)
+    # one training step; the trainer's served deltas (FP8 bytes, fp32 scales, bf16) since the full update
+    tokens = torch.tensor(PROMPTS)
+    trainer(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    deltas = list(fsdp_hooks.served_deltas(trainer, tracker))
+    step = dict(fsdp_hooks.served_weights(trainer))
+    rep["delta_changed"] = receiver.apply(deltas)
+    rep["delta_fp8_elements"] = sum(len(i) for n, i, v in deltas if v.dtype == torch.float8_e4m3fn)
+    rep["delta_scales_changed"] = sum(len(i) for n, i, _ in deltas if n.endswith("_scale"))
+    rep["delta_copy_as_sent"] = all(same_bits(w[n], t) for n, t in step.items())
+    rep["delta_verified"] = receiver.verify()
+    rep["stored"] = sorted({n.rpartition(".")[2] + ":" + str(w[n].dtype) for n in receiver.layout["stored"]})
+    rep["delta_new"] = gap(vllm_logprobs(llm), hf_logprobs(model, dequantized(w)))
+    name = "model.layers.0.mlp.down_proj.weight"
     try:
-        receiver = VllmReceiver(llm)
-        w = receiver.weights
-        rep = {"names_match": set(w) == set(start_weights),
-               "dtypes": sorted({str(t.dtype) for t in w.values()}),
-               "start_bytes_exact": all(same_bits(w[n], t) for n, t in start_weights.items()),
-               "sparse_possible": receiver.sparse_deltas,
-               "start_vs_hf": gap(vllm_logprobs(llm), hf_logprobs(model, dequantized(w)))}
-        old = hf_logprobs(model, dequantized(w))
-        # the trainer: an FSDP2 model of other fp32 masters with Fair Cast serving dithered FP8 (format "fp8")
-        trainer, optimizer = fp8_trainer()
-        import fsdp_hooks
-        from faircast_dist.delta import DeltaTracker
-        tracker = DeltaTracker()
-        new = dict(fsdp_hooks.served_weights(trainer))
-        for n, t in new.items():  # the tracker's baseline: what the full update sends
-            tracker.diff(n, t)
-        rep["trainer_fp8"] = sorted(n for n, t in new.items() if t.dtype == torch.float8_e4m3fn) == \
-            sorted(n for n, t in w.items() if t.dtype == torch.float8_e4m3fn)
-        receiver.load(new.items())
-        rep["full_verified"] = receiver.verify()
-        now = vllm_logprobs(llm)
-        rep["full_new"], rep["full_old"] = gap(now, hf_logprobs(model, dequantized(w))), gap(now, old)
-        receiver.load(list(w.items()))
-        rep["identical_reload_bitwise"] = torch.equal(vllm_logprobs(llm), now)
-        # one training step; the trainer's served deltas (FP8 bytes, fp32 scales, bf16) since the full update
-        tokens = torch.tensor(PROMPTS)
-        trainer(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        deltas = list(fsdp_hooks.served_deltas(trainer, tracker))
-        step = dict(fsdp_hooks.served_weights(trainer))
-        rep["delta_changed"] = receiver.apply(deltas)
-        rep["delta_fp8_elements"] = sum(len(i) for n, i, v in deltas if v.dtype == torch.float8_e4m3fn)
-        rep["delta_scales_changed"] = sum(len(i) for n, i, _ in deltas if n.endswith("_scale"))
-        rep["delta_copy_as_sent"] = all(same_bits(w[n], t) for n, t in step.items())
-        rep["delta_verified"] = receiver.verify()
-        rep["stored"] = sorted({n.rpartition(".")[2] + ":" + str(w[n].dtype) for n in receiver.layout["stored"]})
-        rep["delta_new"] = gap(vllm_logprobs(llm), hf_logprobs(model, dequantized(w)))
-        name = "model.layers.0.mlp.down_proj.weight"
-        try:
-            receiver.load([(name, w[name].float().to(torch.bfloat16))])
-            rep["bf16_into_fp8"] = "no error"
-        except TypeError as err:
-            rep["bf16_into_fp8"] = str(err)
-    finally:
-        stop(llm)
+        receiver.load([(name, w[name].float().to(torch.bfloat16))])
+        rep["bf16_into_fp8"] = "no error"
+    except TypeError as err:
+        rep["bf16_into_fp8"] = str(err)
     return rep
 
 
-def faults(llm, receiver, path: str, fault_file: str) -> tuple[dict, object]:
-    """Each fault of tests/vllm_faults.py on a full update; returns (report, the last engine)."""
+def faults(llm, receiver, engines: Engines, fault_file: str) -> tuple[dict, object]:
+    """Each fault of tests/vllm_faults.py on a full update; after the engine dies or hangs, the next engine of
+    ``engines`` (another of the same checkpoint and extension) is attached. Returns (report, the last engine)."""
     from vllm_receiver import EngineUpdateError, WeightMismatch
     rep = {}
     receiver.timeout_s = 5
@@ -383,8 +425,8 @@ def faults(llm, receiver, path: str, fault_file: str) -> tuple[dict, object]:
                 except RuntimeError as err:
                     case["same_engine_refused"] = str(err)
                 case["refused_in_s"] = time.monotonic() - t0
-            stop(llm)
-            llm = start(path, "vllm_faults.FaultyExtension")
+            engines.stop(llm)
+            llm = engines.take()
             case["attached"] = receiver.attach(llm)
             receiver.load(update)
             case["next_push_verified"] = receiver.verify()
@@ -399,41 +441,55 @@ def main(out_json: str) -> None:
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="faircast-vllm-arch-")
     os.environ["FAIRCAST_TEST_FAULT"] = os.path.join(tmp, "fault")  # the engines' workers inherit it
-    report = {"architectures": {}}
-    llama_receiver = None
-    for arch in ARCHS:
-        llama = arch == "LlamaForCausalLM"
-        rep, llm, receiver = architecture_run(arch, tmp, "vllm_faults.FaultyExtension" if llama else WORKER_EXTENSION)
-        report["architectures"][arch] = rep
-        if "Moe" in arch:
-            rep["moe"] = moe_run(arch, llm, receiver)
-        if llama:
-            report["faults"], llm = faults(llm, receiver, os.path.join(tmp, arch), os.environ["FAIRCAST_TEST_FAULT"])
-            llama_receiver = receiver
-        elif arch == "Qwen2ForCausalLM":  # attach refuses an engine of another model, and stays as it was
-            engine = llama_receiver.llm
+    faulty = "vllm_faults.FaultyExtension"
+    paths = {arch: checkpoint(arch, os.path.join(tmp, arch)) for arch in ARCHS}
+    fp8_path = os.path.join(tmp, "fp8")
+    fp8_model, fp8_start = fp8_checkpoint(fp8_path)
+    refusals = {case: checkpoint(arch, os.path.join(tmp, case), extra) for case, arch, extra in (
+        ("padded_refused", "Qwen3MoeForCausalLM", dict(moe_intermediate_size=48)),  # the kernel pads 48 to 64
+        ("untested_refused", "Phi3ForCausalLM", dict(pad_token_id=0)))}  # by name, before any RPC
+    # Llama's engine runs the faults, then two more of it are attached (after the worker dies, after it hangs)
+    plan = [(paths["LlamaForCausalLM"], faulty)] * 3 + \
+        [(paths[arch], WORKER_EXTENSION) for arch in ARCHS if arch != "LlamaForCausalLM"] + \
+        [(fp8_path, WORKER_EXTENSION)] + [(path, WORKER_EXTENSION) for path in refusals.values()]
+    engines = Engines(plan)
+    try:
+        report = {"architectures": {}}
+        llama_receiver = None
+        for arch in ARCHS:
+            llama = arch == "LlamaForCausalLM"
+            llm = engines.take()
+            rep, receiver = architecture_run(arch, paths[arch], llm)
+            report["architectures"][arch] = rep
+            if "Moe" in arch:
+                rep["moe"] = moe_run(arch, llm, receiver)
+            if llama:
+                report["faults"], llm = faults(llm, receiver, engines, os.environ["FAIRCAST_TEST_FAULT"])
+                llama_receiver = receiver
+            elif arch == "Qwen2ForCausalLM":  # attach refuses an engine of another model, and stays as it was
+                engine = llama_receiver.llm
+                try:
+                    llama_receiver.attach(llm)
+                    report["attach_other_model"] = "no error"
+                except ValueError as err:
+                    report["attach_other_model"] = str(err)
+                report["attach_kept_engine"] = llama_receiver.llm is engine
+            engines.stop(llm)
+            print(arch, json.dumps(rep), flush=True)
+        llm = engines.take()
+        report["fp8"] = fp8_run(llm, fp8_model, fp8_start)
+        engines.stop(llm)
+        print("fp8", json.dumps(report["fp8"]), flush=True)
+        for case in refusals:
+            llm = engines.take()
             try:
-                llama_receiver.attach(llm)
-                report["attach_other_model"] = "no error"
+                VllmReceiver(llm)
+                report[case] = "no error"
             except ValueError as err:
-                report["attach_other_model"] = str(err)
-            report["attach_kept_engine"] = llama_receiver.llm is engine
-        stop(llm)
-        print(arch, json.dumps(rep), flush=True)
-    report["fp8"] = fp8_run(tmp)
-    print("fp8", json.dumps(report["fp8"]), flush=True)
-    for case, arch, extra in (
-            ("padded_refused", "Qwen3MoeForCausalLM", dict(moe_intermediate_size=48)),  # the kernel pads 48 to 64
-            ("untested_refused", "Phi3ForCausalLM", dict(pad_token_id=0))):  # by name, before any RPC
-        path = os.path.join(tmp, case)
-        hf_model(arch, 0, extra).to(torch.bfloat16).save_pretrained(path)
-        llm = start(path, WORKER_EXTENSION)
-        try:
-            VllmReceiver(llm)
-            report[case] = "no error"
-        except ValueError as err:
-            report[case] = str(err)
-        stop(llm)
+                report[case] = str(err)
+            engines.stop(llm)
+    finally:
+        engines.close()
     # every buffer is an anonymous memory file whose descriptor the trainer closed once the worker mapped it
     report["open_buffers"] = [fd for fd in os.listdir(f"/proc/{os.getpid()}/fd")
                               if "faircast-buffer" in os.path.realpath(f"/proc/{os.getpid()}/fd/{fd}")]

@@ -8,7 +8,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import threading
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -117,14 +119,16 @@ class VllmEngine:
     Args:
         model: the initial policy (fp32 ``LlamaForCausalLM``); eos, pad: token ids; out_dir: where the
             engine's model folder goes (one per engine).
-        dtype: the engine's kind: ``"bfloat16"``; ``"float32"`` for the oracle arm (the same bf16 model folder;
-            every weight is replaced by the first sync); or ``"fp8"`` for the FP8 arms: a bf16 engine whose 2-D
-            linear weights are FP8 E4M3 with a scale per output channel (a compressed-tensors checkpoint,
+        dtype: the engine's kind: ``"bfloat16"``; ``"float32"`` for the oracle arm (a folder of the same bf16
+            weights; every weight is replaced by the first sync); or ``"fp8"`` for the FP8 arms: a bf16 engine whose
+            2-D linear weights are FP8 E4M3 with a scale per output channel (a compressed-tensors checkpoint,
             :data:`vllm_receiver.FP8_CHANNEL_QUANTIZATION`; activations cast to FP8 per token), what ``export_cast``
             ``format "fp8"`` serves.
+        barrier: end with a barrier (:meth:`start_many` passes False and holds one for all its engines).
     """
 
-    def __init__(self, model, eos: int, pad: int, out_dir: str, per_rank: bool = False, dtype: str = "bfloat16"):
+    def __init__(self, model, eos: int, pad: int, out_dir: str, per_rank: bool = False, dtype: str = "bfloat16",
+                 barrier: bool = True):
         self.eos, self.pad = eos, pad
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.collective = not per_rank
@@ -134,12 +138,35 @@ class VllmEngine:
             from vllm import LLM
             from vllm_receiver import WORKER_EXTENSION, VllmReceiver
             fp8 = dtype == "fp8"
-            path = save_checkpoint(model, os.path.join(out_dir, "engine_model_fp8" if fp8 else "engine_model"), fp8)
+            folder = {"bfloat16": "engine_model", "float32": "engine_model_fp32", "fp8": "engine_model_fp8"}[dtype]
+            path = save_checkpoint(model, os.path.join(out_dir, folder), fp8)
             self.llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True,
                            dtype="bfloat16" if fp8 else dtype,
                            max_model_len=1024, seed=0, worker_extension_cls=WORKER_EXTENSION)
             self.receiver = VllmReceiver(self.llm)
+        if barrier:
+            dist.barrier()
+
+    @classmethod
+    def start_many(cls, model, eos: int, pad: int, out_dir: str, dtypes: list[str]) -> dict[str, VllmEngine]:
+        """``{dtype: VllmEngine}``, one engine of each of ``dtypes``, started side by side (threads on rank 0: a
+        start is mostly waiting on the engine's two new processes, each importing vLLM), then one barrier."""
+        if dist.get_rank() == 0:
+            import vllm_receiver  # noqa: F401  (imports vLLM here, not in two threads at once)
+        with ThreadPoolExecutor(len(dtypes)) as pool:
+            started = {d: pool.submit(cls, model, eos, pad, out_dir, dtype=d, barrier=False) for d in dtypes}
         dist.barrier()
+        return {d: f.result() for d, f in started.items()}
+
+    @staticmethod
+    def stop_many(engines: Iterable[VllmEngine]) -> None:
+        """Shut the engines of this rank down side by side (threads: each waits ~5 s for its processes to exit)."""
+        threads = [threading.Thread(target=e.llm.llm_engine.engine_core.shutdown) for e in engines
+                   if getattr(e, "llm", None) is not None]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A full update (``(name, bf16 tensor)`` pairs); every rank passes its iterable, rank 0 sends it."""
