@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from helpers import aborted_after_reporting
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -21,7 +23,9 @@ def report(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            os.path.join(ROOT, "tests", "vllm_worker.py"), str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    # (gloo's rare abort at a rank's exit, "terminate called without an active exception", once the report is written)
+    assert proc.returncode == 0 or aborted_after_reporting(proc.stdout + proc.stderr, [str(out)]), \
+        proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(out.read_text())
 
 

@@ -269,8 +269,9 @@ def main(out_json: str) -> None:
         except WeightMismatch as err:
             report["planted"] = str(err)
         report["copy_bytes"] = receiver.nbytes()
-        with open(out_json, "w") as f:
+        with open(out_json + ".tmp", "w") as f:  # complete or absent (the test forgives an abort at exit after it)
             json.dump(report, f)
+        os.replace(out_json + ".tmp", out_json)
     dist.barrier()
     dist.destroy_process_group()  # not left to interpreter exit, where gloo can abort
 
