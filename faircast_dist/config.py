@@ -116,6 +116,11 @@ class ExportCastConfig:
             round-to-nearest only: for comparison).
         fp8_exclude: regex; params whose name it matches stay bf16 (default :data:`FP8_EXCLUDE`;
             ``""`` serves every 2-D ``*weight`` as FP8).
+        fp8_rule: None (faircast's own sticky scales, set by ``fp8_scales`` / ``fp8_ue8m0``) or the name of a
+            stack's quantizer (:data:`faircast_dist.fp8.PRESETS`: ``"verl"``, ``"vllm-fp8-per-channel"``, ...):
+            scales and codes as that stack computes them, so ``mode "nearest"`` serves the stack's bytes (it rounds
+            ``bf16(master)``, as the stack does) and a fair method changes only the rounding. It sets the scales:
+            ``fp8_scales``, ``fp8_ue8m0`` and ``fp8_via_bf16`` stay unset.
 
     Raises:
         ConfigError: (a ``ValueError``) naming the field and the bad value; ``.field`` is the field.
@@ -130,6 +135,7 @@ class ExportCastConfig:
     fp8_ue8m0: bool = False
     fp8_via_bf16: bool = False
     fp8_exclude: str = FP8_EXCLUDE
+    fp8_rule: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.mode, str) or self.mode not in MODES:
@@ -160,9 +166,19 @@ class ExportCastConfig:
         except (re.error, TypeError) as err:
             raise ConfigError(f"export_cast.fp8_exclude must be a regular expression, got {self.fp8_exclude!r}: "
                               f"{err}", "fp8_exclude") from None
+        default = ExportCastConfig.__dataclass_fields__
+        if self.fp8_rule is not None:
+            from faircast_dist.fp8 import PRESETS
+            if not isinstance(self.fp8_rule, str) or self.fp8_rule not in PRESETS:
+                raise ConfigError(f"export_cast.fp8_rule must be one of {tuple(PRESETS)} (or unset: faircast's own "
+                                  f"scales), got {self.fp8_rule!r}", "fp8_rule")
+            for field in ("fp8_scales", "fp8_ue8m0", "fp8_via_bf16"):
+                if getattr(self, field) != default[field].default:
+                    raise ConfigError(f"export_cast.{field} is set but fp8_rule {self.fp8_rule!r} sets the scales "
+                                      f"(and rounds bf16 under \"nearest\", as the stack does): leave {field} unset",
+                                      field)
         if self.format != "fp8":
-            default = ExportCastConfig.__dataclass_fields__
-            for field in ("fp8_scales", "fp8_ue8m0", "fp8_via_bf16", "fp8_exclude"):
+            for field in ("fp8_scales", "fp8_ue8m0", "fp8_via_bf16", "fp8_exclude", "fp8_rule"):
                 if getattr(self, field) != default[field].default:
                     raise ConfigError(f"export_cast.{field} is set but format is {str(self.format)!r}: give "
                                       f"format \"fp8\" to serve FP8 weights", field)
@@ -179,6 +195,19 @@ class ExportCastConfig:
     def fp8(self) -> bool:
         """FP8 weights are served (``format: "fp8"``)."""
         return self.format is Format.FP8
+
+    @property
+    def scale_rule(self):
+        """The :class:`faircast_dist.fp8.ScaleRule` of the FP8 served weights: the ``fp8_rule`` preset, or faircast's
+        own from ``fp8_scales`` / ``fp8_ue8m0``."""
+        from faircast_dist.fp8 import PRESETS, ScaleRule
+        return PRESETS[self.fp8_rule] if self.fp8_rule else ScaleRule(self.fp8_scales, self.fp8_ue8m0)
+
+    @property
+    def fp8_round_bf16(self) -> bool:
+        """Round-to-nearest FP8 rounds ``bf16(master)``: ``fp8_via_bf16``, or an ``fp8_rule`` whose stack
+        quantizes bf16 weights, under ``mode "nearest"``."""
+        return self.fp8_via_bf16 or (self.mode == "nearest" and self.fp8 and self.scale_rule.bf16)
 
     @property
     def effective_method(self) -> Method:

@@ -47,9 +47,10 @@ def fp8_note(state: "ExportState") -> str:
     fp8 = state.fp8
     if fp8 is None:
         return ""
-    rounding = "round-to-nearest via bf16" if state.config.fp8_via_bf16 else str(state.method)
-    return (f"; FP8 E4M3 served weights for {len(fp8.shapes)} params ({fp8.layout.granularity} scales"
-            f"{', UE8M0' if fp8.layout.ue8m0 else ''}, {rounding})")
+    rounding = "round-to-nearest via bf16" if state.config.fp8_round_bf16 else str(state.method)
+    rule = "" if fp8.rule.name == "faircast" else f"fp8_rule {fp8.rule.name!r}: "
+    return (f"; FP8 E4M3 served weights for {len(fp8.shapes)} params ({rule}{fp8.rule.granularity} scales"
+            f"{', UE8M0' if fp8.rule.ue8m0 else ''}{'' if fp8.rule.sticky else ', recomputed each export'}, {rounding})")
 
 
 class Residuals(enum.Enum):

@@ -1,8 +1,9 @@
-"""FP8 E4M3 served weights: the scale layouts and the sticky scales (the casts are in :mod:`.rounding`).
+"""FP8 E4M3 served weights: the scale rules (faircast's sticky scales, and the RL stacks' quantizers as
+:data:`PRESETS`) and the FP8 export (the casts are in :mod:`.rounding`).
 
 A 2-D linear weight ``[N, K]`` (checkpoint coordinates: the tensor the engine loads) is served as
-``weight`` (float8_e4m3fn ``[N, K]``) and fp32 scales, ``served = q * scale``, in one of the two layouts vLLM
-loads:
+``weight`` (float8_e4m3fn ``[N, K]``) and fp32 scales, ``served = q * scale``. Faircast's own rule
+(:class:`ScaleRule`'s defaults) uses one of the two layouts vLLM loads:
 
 * ``"channel"``: one scale per output row, ``weight_scale`` ``[N, 1]`` (compressed-tensors ``FP8_DYNAMIC``,
   vLLM's ``fp8_per_channel``);
@@ -10,12 +11,14 @@ loads:
   DeepSeek-V3 / Qwen3-FP8 checkpoints, vLLM's ``fp8`` with ``weight_block_size [128, 128]``; despite its name
   the scale multiplies).
 
-Scales are **sticky** (as verl's ``fp8_sharded.py``): set from the absolute maximum of what is cast (the
-master, or master + residual for error feedback) over the channel or block at the first export, and kept
+The stacks' rules (``export_cast.fp8_rule``, :data:`PRESETS`) add tensor scales, other formulas and scales
+recomputed at every export, and group a tensor or block scale over vLLM's fused layers (:func:`engine_layer`).
+Faircast's scales are **sticky** (as verl's ``fp8_sharded.py``): set from the absolute maximum of what is cast
+(the master, or master + residual for error feedback) over the channel or block at the first export, and kept
 while everything fits; a scale is set again, from the current absmax, only where some element no longer fits
-(``absmax / scale > 448``), and only for its channel or block. So an unchanged master serves unchanged bytes,
-a delta stays sparse, and a rescale is a dense update of exactly one channel or block (counted). Optionally
-scales are powers of two (UE8M0, as DeepSeek-V3.1's ``scale_fmt: ue8m0``).
+(``absmax / scale > 448``), and only for its channel or block. So an unchanged master serves unchanged bytes, a
+delta stays sparse, and a rescale is a dense update of exactly one channel or block (counted). Optionally scales
+are powers of two (UE8M0, as DeepSeek-V3.1's ``scale_fmt: ue8m0``).
 
 Everything is defined on global flat element indices (``g = n * K + k``), so a shard that holds any subset of
 the elements (a ZeRO flat partition cutting rows, a TP slice) computes its partial absmax per scale, a MAX
@@ -54,28 +57,85 @@ BLOCK = 128
 _MIN_SCALE = 2.0 ** -126  # the smallest normal fp32: an all-zero channel's scale (kernels may flush subnormals)
 
 
+GRANULARITIES = ("tensor", "channel", "block")
+FORMULAS = ("tight", "amax/448", "amax/448.0", "448/amax")
+CODES = ("divide", "reciprocal")
+
+
+def _bf16_toward_zero(a: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a >= 0`` truncated to bf16 (its low 16 bits cleared): the largest bf16 value <= ``a``."""
+    return (a.contiguous().view(torch.int32) & -65536).view(torch.float32)
+
+
 @dataclass(frozen=True)
-class Fp8Layout:
-    """Where an FP8 weight's scales sit.
+class ScaleRule:
+    """How an FP8 weight's scales are set and its codes computed: where the scales sit, the scale of a group (a
+    tensor, an output channel, a 128x128 block) from its absolute maximum ``a``, what the element is divided by or
+    multiplied with, and when a scale is set again. Faircast's own rule is the default; :data:`PRESETS` reproduce
+    the RL stacks' quantizers, so the fair methods round under the scales a stack serves, and ``nearest`` under a
+    preset serves the stack's bytes.
 
     Attributes:
-        granularity: ``"channel"`` (one scale per output row) or ``"block"`` (one per 128x128 block).
-        ue8m0: scales are powers of two.
+        granularity: ``"tensor"`` (one scale, ``weight_scale [1]``), ``"channel"`` (one per output row,
+            ``weight_scale [N, 1]``) or ``"block"`` (one per 128x128 block, ``weight_scale_inv [ceil(N/128),
+            ceil(K/128)]``).
+        ue8m0: scales are powers of two (formula ``"tight"`` only).
+        formula: the scale ``s`` from ``a`` (fp32), evaluated as the torch expression the stack writes, so it lowers
+            on each device as the stack's does:
+
+            * ``"tight"`` (faircast's): the smallest scale of its kind with ``a / s <= 448`` in fp32, at least
+              2**-126 (:meth:`factors`);
+            * ``"amax/448"``: ``max(a, amax_floor) / torch.tensor(448.)``, the IEEE division (vLLM's ``_fp8_scale``);
+            * ``"amax/448.0"``: ``max(a, amax_floor) / 448.0``, a Python float divisor: the IEEE division on the
+              CPU, a multiply by fp32(1/448) on CUDA (torch's lowering; vLLM's ``per_block_cast_to_fp8``);
+            * ``"448/amax"`` (verl's): a multiplier ``m = 448.0 / a`` (1 where ``a`` is 0), ``s = reciprocal(m)``,
+              codes ``x * m``.
+
+            Then ``s`` is raised to ``scale_floor``; a group whose ``s`` is still 0 (all zeros, no floor) gets 2**-126
+            (its codes are 0; vLLM's own would serve NaN).
+        codes: ``"divide"`` (``q = x / s``, IEEE) or ``"reciprocal"`` (``q = x * (1.0 / s)``); ``"448/amax"``
+            multiplies by its ``m``.
+        amax_floor: ``a`` is raised to it first (verl's Triton ``eps`` 1e-10, vLLM's block ``clamp(1e-4)``).
+        scale_floor: ``s`` is raised to it (vLLM's channel ``clamp_min(1 / (448 * 512))``).
+        sticky: a scale is kept while its group fits (``a / s <= 448``) and set again only where it does not
+            (faircast's, DeepSeek-style UE8M0); False: recomputed at every export, as the stacks do.
+        bf16: the stack quantizes bf16 weights: ``nearest`` rounds ``bf16(master)`` (so it serves the stack's bytes),
+            and ``a`` is truncated to bf16 (toward zero) before the formula, so a fair method's largest element codes
+            ±448 and a stack recomputing its scale from the bf16 values ``q * s`` finds ``s`` again.
+        engine_fused: the groups are those of vLLM's fused layers (``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate,
+            up): one tensor scale over the parts; blocks of the fused rows (:class:`Fp8Export` refuses parts whose rows
+            are not a multiple of 128, where the engine's blocks would straddle two parts).
+        name: the preset's name (``"faircast"`` for faircast's own rule).
+        source: the function and version it reproduces.
     """
     granularity: str = "channel"
     ue8m0: bool = False
+    formula: str = "tight"
+    codes: str = "divide"
+    amax_floor: float = 0.0
+    scale_floor: float = 0.0
+    sticky: bool = True
+    bf16: bool = False
+    engine_fused: bool = False
+    name: str = "faircast"
+    source: str = "faircast_dist/fp8.py: ScaleRule"
 
     def __post_init__(self):
-        if self.granularity not in ("channel", "block"):
-            raise ValueError(f"Fp8Layout.granularity must be 'channel' or 'block', got {self.granularity!r}")
+        for field, allowed in (("granularity", GRANULARITIES), ("formula", FORMULAS), ("codes", CODES)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"ScaleRule.{field} must be one of {allowed}, got {getattr(self, field)!r}")
+        if self.ue8m0 and self.formula != "tight":
+            raise ValueError(f"ScaleRule: ue8m0 takes formula 'tight', got {self.formula!r}")
+        if self.sticky and self.formula == "448/amax":
+            raise ValueError("ScaleRule: formula '448/amax' (verl's) is recomputed at every export (sticky False)")
 
     @property
     def scale_name(self) -> str:
         """The checkpoint name of the scale tensor beside ``weight`` (vLLM's)."""
-        return "weight_scale" if self.granularity == "channel" else "weight_scale_inv"
+        return "weight_scale_inv" if self.granularity == "block" else "weight_scale"
 
-    def scale_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
-        """The scales' shape for a weight of ``shape`` ``[N, K]``.
+    def scale_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
+        """The scales' shape for a weight of ``shape`` ``[N, K]``: ``(1,)``, ``(N, 1)`` or ``(ceil(N/128), ceil(K/128))``.
 
         Raises:
             ValueError: ``shape`` is not 2-D.
@@ -83,7 +143,13 @@ class Fp8Layout:
         if len(shape) != 2:
             raise ValueError(f"FP8 serves 2-D linear weights; got shape {tuple(shape)}")
         n, k = shape
-        return (n, 1) if self.granularity == "channel" else (-(-n // BLOCK), -(-k // BLOCK))
+        return {"tensor": (1,), "channel": (n, 1), "block": (-(-n // BLOCK), -(-k // BLOCK))}[self.granularity]
+
+    def segment_columns(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """``(K, block columns)`` of a weight's FP8 segment rows (:data:`faircast_dist.fused.FP8_COLUMNS`): a tensor
+        scale is a channel scale over one row of ``N * K`` columns."""
+        n, k = shape
+        return (n * k, 0) if self.granularity == "tensor" else (k, -(-k // BLOCK) if self.granularity == "block" else 0)
 
     def scale_index(self, shape: tuple[int, int], index: torch.Tensor | int, numel: int | None = None,
                     device: torch.device | str = "cpu") -> torch.Tensor:
@@ -102,24 +168,102 @@ class Fp8Layout:
         g = torch.arange(index, index + numel, dtype=torch.int64, device=device) if isinstance(index, int) \
             else index.to(torch.int64)
         row, col = g // shape[1], g % shape[1]
+        if self.granularity == "tensor":
+            return torch.zeros_like(g)
         if self.granularity == "channel":
             return row
         return (row // BLOCK) * -(-shape[1] // BLOCK) + col // BLOCK
 
-    def scales(self, absmax: torch.Tensor) -> torch.Tensor:
-        """Fresh scales from the absolute maxima (fp32, any shape): the smallest scale (of its kind) with
-        ``absmax / scale <= 448`` in fp32, at least 2**-126.
+    def factors(self, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fresh scales from the absolute maxima, and the codes' multipliers.
 
-        Plain: ``absmax / 448``, one fp32 ulp larger where the division's rounding would leave the maximum at
-        ``448 + ulp``. UE8M0: ``2**p``, the smallest with ``448 * 2**p >= absmax`` (exact, from the exponent).
+        Args:
+            absmax: float32 absolute maxima ``a`` of the groups (finite, >= 0), any shape.
+
+        Returns:
+            ``(scales, multipliers)``: float32 shaped like ``absmax``, finite and > 0 (``served = q * scale``), and
+            None where codes divide by the scale, else float32 like ``scales`` (codes ``x * multiplier``).
         """
-        a = torch.clamp(absmax.float(), min=E4M3_MAX * _MIN_SCALE)
-        if self.ue8m0:
-            m, e = torch.frexp(a)  # a = m * 2**e, m in [0.5, 1); 448 = 0.875 * 2**9
-            s = torch.ldexp(torch.ones_like(a), torch.where(m <= 0.875, e - 9, e - 8))
-            return torch.where(torch.isfinite(a), s, a / E4M3_MAX)  # NaN / Inf stay what they are
-        s = a / E4M3_MAX
-        return torch.where(a / s > E4M3_MAX, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
+        a = absmax.float()
+        if self.bf16:
+            a = _bf16_toward_zero(a)
+        if self.formula == "448/amax":  # verl's _scaled_fp8_blockwise_pytorch
+            m = torch.div(E4M3_MAX, a)
+            m = torch.where((a == 0) | (a == float("inf")), torch.ones_like(m), m)
+            return torch.reciprocal(m), m
+        if self.formula == "tight":
+            a = torch.clamp(a, min=E4M3_MAX * _MIN_SCALE)
+            if self.ue8m0:
+                m, e = torch.frexp(a)  # a = m * 2**e, m in [0.5, 1); 448 = 0.875 * 2**9
+                s = torch.ldexp(torch.ones_like(a), torch.where(m <= 0.875, e - 9, e - 8))
+                s = torch.where(torch.isfinite(a), s, a / E4M3_MAX)  # NaN / Inf stay what they are
+            else:
+                s = a / E4M3_MAX
+                s = torch.where(a / s > E4M3_MAX, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
+        else:
+            if self.amax_floor:
+                a = a.clamp(min=self.amax_floor)
+            s = a / torch.tensor(E4M3_MAX, device=a.device) if self.formula == "amax/448" else a / E4M3_MAX
+            if self.scale_floor:
+                s = s.clamp_min(self.scale_floor)
+            s = torch.where(s > 0, s, torch.full_like(s, _MIN_SCALE))
+        return s, (1.0 / s if self.codes == "reciprocal" else None)
+
+    def scales(self, absmax: torch.Tensor) -> torch.Tensor:
+        """Fresh scales (:meth:`factors`' first)."""
+        return self.factors(absmax)[0]
+
+    def next_scales(self, previous: torch.Tensor | None, absmax: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """This export's scales and multipliers (:meth:`factors`), from the last export's scales.
+
+        Args:
+            previous: float32 scales of the last export (any shape), or None at the first export.
+            absmax: float32 absmax of what is cast now, shaped like ``previous``.
+
+        Returns:
+            ``(scales, multipliers, changed)``: float32 scales, the multipliers (or None), and a bool mask: sticky,
+            the scales set again (all of them at the first export); recomputed, the scales whose value changed
+            (count either as rescales only after the first export).
+        """
+        fresh, mult = self.factors(absmax)
+        if previous is None:
+            return fresh, mult, torch.ones(fresh.shape, dtype=torch.bool, device=fresh.device)
+        if not self.sticky:
+            return fresh, mult, fresh != previous
+        # set again where the maximum no longer fits, and where the kept scale is no scale (NaN, Inf, <= 0: a corrupt
+        # checkpoint's), which would otherwise serve NaN for good
+        rescaled = ~(absmax / previous <= E4M3_MAX) | ~(previous > 0) | ~torch.isfinite(previous)
+        scales = torch.where(rescaled, fresh, previous)
+        return scales, (1.0 / scales if mult is not None else None), rescaled
+
+
+#: the stacks' quantizers as scale rules (``export_cast.fp8_rule``), each citing what it reproduces; ``nearest``
+#: under one serves, byte for byte, what the stack serves from the same bf16 weights (tests/test_scale_rules.py)
+PRESETS = {r.name: r for r in (
+    ScaleRule("block", formula="448/amax", sticky=False, bf16=True, name="verl",
+              source="verl 0.9.1 verl/utils/kernel/fp8_kernel.py: _scaled_fp8_blockwise_pytorch (its PyTorch path, "
+                     "VERL_DISABLE_TRITON_FP8=1), behind scaled_fp8_blockwise"),
+    ScaleRule("block", formula="amax/448", codes="reciprocal", amax_floor=1e-10, sticky=False, bf16=True,
+              name="verl-triton", source="verl 0.9.1 verl/utils/kernel/fp8_kernel.py: _blockwise_cast_to_fp8_kernel "
+                                         "(Triton; a cited copy, not run here: no GPU)"),
+    ScaleRule("channel", formula="amax/448", scale_floor=float(torch.tensor(1.0) / (torch.tensor(E4M3_MAX) * 512)),
+              sticky=False, bf16=True, name="vllm-fp8-per-channel",
+              source="vLLM 0.32 model_executor/layers/quantization/online/fp8.py: Fp8PtpcOnlineLinearMethod."
+                     "process_weights_after_loading (_fp8_channel_scale, _fp8_quant_per_channel)"),
+    ScaleRule("block", formula="amax/448.0", codes="reciprocal", amax_floor=1e-4, sticky=False, bf16=True,
+              engine_fused=True, name="vllm-fp8-per-block",
+              source="vLLM 0.32 vllm/utils/deep_gemm.py: per_block_cast_to_fp8 (use_ue8m0=False), called by online/"
+                     "fp8.py: Fp8PerBlockOnlineLinearMethod on the fused layer"),
+    ScaleRule("tensor", formula="amax/448", codes="reciprocal", sticky=False, bf16=True, engine_fused=True,
+              name="vllm-fp8-per-tensor",
+              source="vLLM 0.32 online/fp8.py: Fp8PerTensorOnlineLinearMethod.process_weights_after_loading "
+                     "(_fp8_scale, then ops.scaled_fp8_quant's static kernel, which multiplies by the reciprocal: "
+                     "a cited copy, the kernel does not run on this CPU wheel)"),
+    ScaleRule("block", ue8m0=True, sticky=True, bf16=True, name="deepseek-ue8m0",
+              source="DeepSeek-V3.1 scale_fmt ue8m0; verl PR #7676 (open) verl/utils/fp8_sharded.py: "
+                     "sticky_ue8m0_descale"),
+)}
 
 
 def partial_absmax(y: torch.Tensor, scale_index: torch.Tensor, num_scales: int) -> torch.Tensor:
@@ -136,28 +280,6 @@ def partial_absmax(y: torch.Tensor, scale_index: torch.Tensor, num_scales: int) 
     a = torch.where(torch.isfinite(y), y.abs(), torch.zeros((), dtype=y.dtype, device=y.device)).reshape(-1).float()
     out = torch.zeros(num_scales, dtype=torch.float32, device=y.device)
     return out.scatter_reduce_(0, scale_index.reshape(-1), a, reduce="amax")
-
-
-def sticky_scales(layout: Fp8Layout, previous: torch.Tensor | None,
-                  absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This export's scales: the previous ones where everything still fits, fresh ones elsewhere.
-
-    Args:
-        layout: the scales' layout.
-        previous: float32 scales of the last export (any shape), or None at the first export.
-        absmax: float32 absmax of what is cast now, shaped like ``previous``.
-
-    Returns:
-        ``(scales, rescaled)``: float32 scales and a bool mask of the scales set again (all of them at the first
-        export; count them as rescales only after it).
-    """
-    fresh = layout.scales(absmax)
-    if previous is None:
-        return fresh, torch.ones(fresh.shape, dtype=torch.bool, device=fresh.device)
-    # set again where the maximum no longer fits, and where the kept scale is no scale (NaN, Inf, <= 0: a corrupt
-    # checkpoint's), which would otherwise serve NaN for good
-    rescaled = ~(absmax / previous <= E4M3_MAX) | ~(previous > 0) | ~torch.isfinite(previous)
-    return torch.where(rescaled, fresh, previous), rescaled
 
 
 @dataclass(frozen=True)
@@ -289,6 +411,24 @@ def fp8_excluded(config, name: str) -> bool:
     return bool(config.fp8_exclude and re.search(config.fp8_exclude, name))
 
 
+#: vLLM's fused layers (its Llama / Qwen / Mistral ``packed_modules_mapping``): HF's q/k/v and gate/up projections
+_ENGINE_PARTS = re.compile(r"^(.*\.)(q|k|v|gate|up)_proj\.weight$")
+
+
+def engine_layer(name: str) -> str:
+    """The vLLM layer that serves param ``name``: ``...self_attn.qkv_proj`` for HF's ``q_proj``, ``k_proj``,
+    ``v_proj`` weights, ``...mlp.gate_up_proj`` for ``gate_proj`` / ``up_proj``; else ``name`` itself (Megatron's
+    ``linear_qkv`` / ``linear_fc1`` are fused already)."""
+    m = _ENGINE_PARTS.match(name)
+    return name if m is None else m.group(1) + ("qkv_proj" if m.group(2) in "qkv" else "gate_up_proj")
+
+
+def _engine_part(name: str) -> int:
+    """A part's place in its vLLM fused layer (q, k, v; gate, up)."""
+    m = _ENGINE_PARTS.match(name)
+    return 0 if m is None else ("q", "k", "v", "gate", "up").index(m.group(2)) % 3
+
+
 class Fp8Export:
     """One rank's FP8 served weights: the sticky scales, the cast of each shard's FP8 runs at an export, and the
     gather of whole FP8 tensors to serve. Used by :class:`faircast_dist.export.ExportState` (``format "fp8"``).
@@ -306,14 +446,21 @@ class Fp8Export:
             row order with the stack's scales. A 3-D param here (fused experts, :func:`fused_experts`) is FP8 unless
             :func:`fp8_excluded`, with either scales.
 
+    Raises:
+        ValueError: a fused param whose rows do not match its checkpoint tensors; under an ``engine_fused`` rule
+            (:class:`ScaleRule`), fused experts, or a block rule whose engine blocks would straddle two fused parts
+            (named).
+
     Attributes:
-        layout: the :class:`Fp8Layout` (from ``fp8_scales`` / ``fp8_ue8m0``).
+        rule: the :class:`ScaleRule` (``config.scale_rule``: ``fp8_rule``, or ``fp8_scales`` / ``fp8_ue8m0``).
+        groups: ``{name: group}`` of the params whose scales are one (an ``engine_fused`` tensor rule: vLLM's
+            ``qkv_proj`` over q, k, v), by :func:`engine_layer`; a param absent has its own.
         shapes: ``{name: (N, K)}`` of the FP8 params as cast, in sorted name order (the order of every
             collective); a fused param's ``N`` is its stack's (:meth:`FusedRows.stack_rows`); fused experts
             ``[E, N, K]`` are cast as ``[E*N, K]``.
         experts: ``{name: (E, N, K)}`` of the FP8 fused experts (served 3-D).
-        fused: the ``fused`` params this layout casts as stacks (block scales), ``{name: FusedRows}``.
-        scales: ``{name: float32 tensor of layout.scale_shape}``: the scales of the last export, the same on every
+        fused: the ``fused`` params this rule casts as stacks (block scales), ``{name: FusedRows}``.
+        scales: ``{name: float32 tensor of rule.scale_shape}``: the scales of the last export, the same on every
             rank (export state: checkpoint it, :meth:`load_scales`).
         rescales: scales set again after their first export, counted over all exports of this process (a rescaled
             channel or block is a dense update of its elements).
@@ -323,39 +470,85 @@ class Fp8Export:
     def __init__(self, caster, shapes: dict, fused: dict | None = None):
         self.caster = caster
         config = caster.config
-        self.layout = Fp8Layout("block" if config.fp8_scales == "block" else "channel", config.fp8_ue8m0)
+        self.rule = config.scale_rule
         fused = fused or {}
         self.experts = {n: tuple(shapes[n]) for n in sorted(shapes) if len(shapes[n]) == 3 and n in fused
                         and config.fp8 and not fp8_excluded(config, n)}
         self.shapes = {n: (self.experts[n][0] * self.experts[n][1], self.experts[n][2]) if n in self.experts
                        else tuple(shapes[n]) for n in sorted(shapes)
                        if n in self.experts or fp8_param(config, n, tuple(shapes[n]))}
-        self.fused = {n: f for n, f in fused.items() if n in self.shapes} if self.layout.granularity == "block" else {}
+        self.fused = {n: f for n, f in fused.items() if n in self.shapes} if self.rule.granularity == "block" else {}
         for name, f in self.fused.items():
             if f.rows != self.shapes[name][0]:
                 raise ValueError(f"export_cast FP8: {name!r} has {self.shapes[name][0]} rows, its fused checkpoint "
                                  f"tensors {f.part_rows} ({f.rows})")
+        self.groups = self._engine_groups() if self.rule.engine_fused else {}
+        for name, f in self.fused.items():
             self.shapes[name] = (f.stack_rows(), self.shapes[name][1])
         self.scales: dict[str, torch.Tensor] = {}
         self.rescales = self.last_rescales = 0
+
+    def _engine_groups(self) -> dict[str, str]:
+        """:attr:`groups` of an ``engine_fused`` rule (and its checks, see Raises)."""
+        rule = self.rule
+        if self.experts:
+            raise ValueError(f"export_cast FP8: fp8_rule {rule.name!r} does not cover fused MoE experts "
+                             f"{sorted(self.experts)[:2]} (vLLM's online FP8 MoE is not reproduced here): keep them "
+                             f"bf16 with fp8_exclude (the default + '|experts')")
+        members = {}
+        for name in self.shapes:
+            members.setdefault(engine_layer(name), []).append(name)
+        if rule.granularity == "tensor":
+            return {n: layer for layer, names in members.items() for n in names}
+        for layer, names in members.items():  # blocks: the engine's fused rows [part 0; part 1; ...] unpadded
+            rows = [(n, self.shapes[n][0]) for n in sorted(names, key=_engine_part)]
+            if len(names) == 1 and names[0] in self.fused:
+                rows = [(names[0], r) for r in self.fused[names[0]].part_rows]
+            straddle = [n for n, r in rows[:-1] if r % BLOCK]
+            if straddle:
+                raise ValueError(f"export_cast FP8: fp8_rule {rule.name!r}: the engine's 128x128 blocks of {layer!r} "
+                                 f"straddle its fused parts ({[r for _, r in rows]} rows: every part but the last must "
+                                 f"be a multiple of 128); keep {straddle[0]!r} bf16 with fp8_exclude, or use a "
+                                 f"per-channel rule")
+        return {}
 
     def scale_name(self, name: str) -> str:
         """The checkpoint name of FP8 param ``name``'s scales (``...proj.weight`` -> ``...proj.weight_scale``; fused
         experts: ``...experts.gate_up_proj`` -> ``...experts.gate_up_proj_scale``, transformers 5's)."""
         if name.endswith("weight"):
-            return name[:-len("weight")] + self.layout.scale_name
-        return name + self.layout.scale_name[len("weight"):]
+            return name[:-len("weight")] + self.rule.scale_name
+        return name + self.rule.scale_name[len("weight"):]
+
+    def slots(self) -> dict[str, tuple[int, int]]:
+        """``{name: (offset, numel)}`` of each FP8 param's scales in :meth:`flat_scales` (and in the absmax buffer),
+        in :attr:`shapes` order; the params of one group (:attr:`groups`) share theirs."""
+        out, first, offset = {}, {}, 0
+        for name, shape in self.shapes.items():
+            group = self.groups.get(name, name)
+            if group not in first:
+                first[group] = (offset, math.prod(self.rule.scale_shape(shape)))
+                offset += first[group][1]
+            out[name] = first[group]
+        return out
 
     def scale_offsets(self) -> dict[str, int]:
         """``{name: offset}`` of each FP8 param's scales in :meth:`flat_scales` (and in the absmax buffer)."""
-        numels = self._numels()
-        return dict(zip(numels, itertools.accumulate([0, *numels.values()])))
+        return {name: offset for name, (offset, _) in self.slots().items()}
+
+    def _leaders(self) -> list[str]:
+        """The first param of each slot, in slot order."""
+        seen, out = set(), []
+        for name, slot in self.slots().items():
+            if slot not in seen:
+                seen.add(slot)
+                out.append(name)
+        return out
 
     def flat_scales(self, device=None) -> torch.Tensor:
-        """Every FP8 param's scales, one after the other in :attr:`shapes` order: float32 1-D on ``device``."""
+        """Every slot's scales (:meth:`slots`), one after the other: float32 1-D on ``device``."""
         if not self.scales:
             return torch.zeros(0, dtype=torch.float32, device=device)
-        return torch.cat([self.scales[n].reshape(-1) for n in self.shapes]).to(device)
+        return torch.cat([self.scales[n].reshape(-1) for n in self._leaders()]).to(device)
 
     def runs(self, runs) -> list[tuple[str, int, int, int]]:
         """The FP8 params' runs among a shard's ``runs`` (``(name, start, numel, index)``), with global indices as
@@ -373,9 +566,6 @@ class Fp8Export:
         """``(shard, start, numel, index, name)`` of every FP8 run in ``shards`` (:meth:`runs`)."""
         return [(s, start, numel, index, name) for s in shards for name, start, numel, index in self.runs(s.runs)]
 
-    def _numels(self) -> dict[str, int]:
-        return {n: math.prod(self.layout.scale_shape(shape)) for n, shape in self.shapes.items()}
-
     @torch.no_grad()
     def export(self, shards, reduce_max, step: int | None = None, backend: str = "auto") -> None:
         """Cast the FP8 runs of ``shards`` into their ``fp8`` buffers at export ``step`` (default: the current one).
@@ -389,38 +579,43 @@ class Fp8Export:
             backend: the fused casts' backend (:func:`faircast_dist.fused.resolve_backend`; all give the same bits).
 
         The partial absmax of every FP8 param (one value per scale) goes into one buffer, reduced once; each rank
-        then keeps the same sticky scales (:func:`sticky_scales`) and casts its elements with them: two fused calls
+        then keeps the same scales (:meth:`ScaleRule.next_scales`) and casts its elements with them: two fused calls
         over every run (:func:`faircast_dist.fused.fp8_absmax`, :func:`faircast_dist.fused.cast_fp8`).
         """
-        config, method = self.caster.config, self.caster.method
-        numels, offsets = self._numels(), self.scale_offsets()
+        config, method, rule = self.caster.config, self.caster.method, self.rule
+        slots = self.slots()
         held = [s for s in shards if any(name in self.shapes for name, *_ in s.runs)]
         device = held[0].master.device if held else shards[0].master.device if shards else torch.device("cpu")
         rows = []
         for t, s in enumerate(held):
             for name, start, numel, index in self.runs(s.runs):
-                k = self.shapes[name][1]
                 key = self.caster.key(name, step) if method.keyed else (0, 0)
-                nbk = -(-k // BLOCK) if self.layout.granularity == "block" else 0
-                rows.append((t, start, numel, index, *key, offsets[name], k, nbk))
+                rows.append((t, start, numel, index, *key, slots[name][0], *rule.segment_columns(self.shapes[name])))
         table = fused.segment_table(rows, columns=fused.FP8_COLUMNS)
         masters = [s.master for s in held]
         residuals = [s.fp8_residual for s in held] if method.needs_residual else None
-        absmax = torch.zeros(sum(numels.values()), dtype=torch.float32, device=device)
-        fused.fp8_absmax(masters, table, absmax, residuals, via_bf16=config.fp8_via_bf16, backend=backend)
+        via_bf16 = config.fp8_round_bf16
+        absmax = torch.zeros(sum(n for _, n in set(slots.values())), dtype=torch.float32, device=device)
+        fused.fp8_absmax(masters, table, absmax, residuals, via_bf16=via_bf16, backend=backend)
         if reduce_max is not None:
             reduce_max(absmax)
-        self.last_rescales = 0
-        for name, shape in self.shapes.items():
-            a = absmax.narrow(0, offsets[name], numels[name]).view(self.layout.scale_shape(shape))
+        self.last_rescales, multipliers, members = 0, [], {}
+        for name, (offset, _) in slots.items():
+            members.setdefault(offset, []).append(name)
+        for name in self._leaders():
+            (offset, numel), shape = slots[name], self.rule.scale_shape(self.shapes[name])
             previous = self.scales.get(name)
-            self.scales[name], rescaled = sticky_scales(self.layout, previous, a)
+            scales, mult, changed = rule.next_scales(previous, absmax.narrow(0, offset, numel).view(shape))
+            for member in members[offset]:
+                self.scales[member] = scales
+            multipliers.append(mult)
             if previous is not None:
-                self.last_rescales += int(rescaled.sum())
+                self.last_rescales += int(changed.sum())
         self.rescales += self.last_rescales
         scales = self.flat_scales(device) if self.shapes else absmax
-        fused.cast_fp8(method.kernel, masters, [s.fp8 for s in held], table, scales, residuals,
-                       via_bf16=config.fp8_via_bf16, backend=backend)
+        mult = torch.cat([m.reshape(-1) for m in multipliers]) if multipliers and multipliers[0] is not None else None
+        fused.cast_fp8(method.kernel, masters, [s.fp8 for s in held], table, scales, residuals, via_bf16=via_bf16,
+                       backend=backend, multipliers=mult)
 
     @torch.no_grad()
     def full(self, shards, reduce_max) -> dict[str, torch.Tensor]:
@@ -483,12 +678,12 @@ class Fp8Export:
         loaded = {}
         for name in self.shapes:
             if name in scales:
-                want = self.layout.scale_shape(self.shapes[name])
+                want = self.rule.scale_shape(self.shapes[name])
                 if tuple(scales[name].shape) != want:
                     raise ValueError(f"export_cast FP8: saved scales of {name!r} have shape {tuple(scales[name].shape)}, "
-                                     f"fp8_scales {self.layout.granularity!r} needs {want}")
+                                     f"{self.rule.granularity!r} scales need {want}")
                 loaded[name] = scales[name].float().clone()
-                if self.layout.ue8m0:
+                if self.rule.ue8m0:
                     t = loaded[name]
                     mantissa, _ = torch.frexp(t)
                     if bool((torch.isfinite(t) & (t > 0) & (mantissa != 0.5)).any()):

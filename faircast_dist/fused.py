@@ -460,7 +460,7 @@ def _check_fp8_rows(table: torch.Tensor, num_scales: int) -> None:
 
 def _fp8_rows_reference(table: torch.Tensor):
     """``(tensor, start, numel, index, k0, k1, scale index of each element)`` per FP8 row (the reference backend;
-    the layout of :class:`faircast_dist.fp8.Fp8Layout`: channel ``g // K``, block ``(g // K // 128, g % K // 128)``)."""
+    the layout of :class:`faircast_dist.fp8.ScaleRule`: channel ``g // K``, block ``(g // K // 128, g % K // 128)``)."""
     for tensor, start, numel, index, k0, k1, offset, k, nbk in table.tolist():
         g = torch.arange(index, index + numel, dtype=torch.int64, device="cpu")
         row = g // k
@@ -518,11 +518,12 @@ def fp8_absmax(masters: Sequence[torch.Tensor], segments, absmax: torch.Tensor,
 
 def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], segments,
              scales: torch.Tensor, residuals: Sequence[torch.Tensor] | None = None, via_bf16: bool = False,
-             backend: str = "auto") -> None:
+             backend: str = "auto", multipliers: torch.Tensor | None = None) -> None:
     """FP8 E4M3 casts of the FP8 rows of many flat buffers, in one call: for each row, ``outs[t][start:start +
     numel]`` gets the E4M3 bits of :func:`faircast_dist.rounding.cast_fp8_nearest` (``via_bf16`` as there),
     ``cast_fp8_stochastic`` (key ``(k0, k1)``, the row's global ``index``) or ``cast_fp8_error_feedback``
-    (``residuals`` updated in place) of ``masters[t][start:start + numel]`` with each element's scale, bit for bit.
+    (``residuals`` updated in place) of ``masters[t][start:start + numel]`` with each element's scale (and
+    multiplier), bit for bit.
 
     Args:
         method: a :class:`Method` (or its spelling): one of :data:`FP8_METHODS`, or dithered (the stochastic kernel).
@@ -534,9 +535,12 @@ def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.
         residuals: error feedback only: float32 tensors indexed like ``masters``.
         via_bf16: ``nearest`` only: round the master to bf16 first (the stacks' double rounding).
         backend: see :func:`resolve_backend`.
+        multipliers: None (codes ``y / scale``) or float32 shaped like ``scales``, finite and > 0: codes
+            ``y * multiplier`` (a :class:`faircast_dist.fp8.ScaleRule` whose codes multiply, as verl's and vLLM's
+            block quantizers do); error feedback's residual still subtracts ``q * scale``.
 
     Raises:
-        ValueError / TypeError: a bad method, backend, dtype, layout, row or scale (named).
+        ValueError / TypeError: a bad method, backend, dtype, layout, row, scale or multiplier (named).
     """
     method = kernel(method, fp8=True)
     table = segment_table(segments, columns=FP8_COLUMNS)
@@ -548,30 +552,41 @@ def cast_fp8(method: str, masters: Sequence[torch.Tensor], outs: Sequence[torch.
     _check_fp8_rows(table, scales.numel())
     if via_bf16 and method is not Method.NEAREST:
         raise ValueError(f"via_bf16 is for method 'nearest' only, got {str(method)!r}")
-    bad = ~(torch.isfinite(scales) & (scales > 0))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"scales[{i}] is {float(scales[i])}: the FP8 casts need finite scales > 0 "
-                         "(faircast_dist.fp8.sticky_scales sets any other one afresh)")
+    for name, t in (("scales", scales), ("multipliers", multipliers)):
+        if t is None:
+            continue
+        if t is multipliers and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != scales.shape
+                                 or not t.is_contiguous() or t.device != scales.device):
+            raise TypeError(f"multipliers must be a contiguous float32 tensor like scales {tuple(scales.shape)}, got "
+                            f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{name}[{i}] is {float(t[i])}: the FP8 casts need finite {name} > 0 "
+                             "(faircast_dist.fp8.ScaleRule.next_scales sets any other one afresh)")
     if not masters:
         return
     backend = _fp8_backend(masters[0].device, backend)
     if backend == "cpu":
         _cpu_module().cast_fp8_multi(KERNEL_CODES[method], list(masters),
-                                     [] if residuals is None else list(residuals), list(outs), table, scales, via_bf16)
+                                     [] if residuals is None else list(residuals), list(outs), table, scales, via_bf16,
+                                     scales.new_empty(0) if multipliers is None else multipliers)
     elif backend == "triton":
         from faircast_dist import fused_triton
-        fused_triton.cast_fp8(KERNEL_CODES[method], list(masters), list(outs), table, scales, residuals, via_bf16)
+        fused_triton.cast_fp8(KERNEL_CODES[method], list(masters), list(outs), table, scales, residuals, via_bf16,
+                              multipliers)
     else:
         for tensor, start, numel, index, k0, k1, sidx in _fp8_rows_reference(table):
             x = masters[tensor].narrow(0, start, numel)
             scale = scales.reshape(-1)[sidx.to(scales.device)].to(x.device)
+            mult = None if multipliers is None else multipliers[sidx.to(scales.device)].to(x.device)
             if method is Method.STOCHASTIC:
-                q = rounding.cast_fp8_stochastic(x, scale, (k0, k1), index)
+                q = rounding.cast_fp8_stochastic(x, scale, (k0, k1), index, multiplier=mult)
             elif method is Method.ERROR_FEEDBACK:
-                q = rounding.cast_fp8_error_feedback(x, scale, residuals[tensor].narrow(0, start, numel))
+                q = rounding.cast_fp8_error_feedback(x, scale, residuals[tensor].narrow(0, start, numel),
+                                                     multiplier=mult)
             else:
-                q = rounding.cast_fp8_nearest(x, scale, via_bf16=via_bf16)
+                q = rounding.cast_fp8_nearest(x, scale, via_bf16=via_bf16, multiplier=mult)
             outs[tensor].narrow(0, start, numel).copy_(q.view(torch.uint8))
 
 

@@ -167,10 +167,14 @@ if available():
         return tl.where(finite, _to_bf16_bits(b) << 16, b).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _e4m3_code(y, s, r, STOCHASTIC: tl.constexpr):
-        """E4M3 code (uint32: sign 0x80 | magnitude) of ``y / s`` (IEEE division; ``s`` finite > 0), saturated at
-        448; NaN (0x7F with ``y``'s sign) where ``y`` is not finite."""
-        qb = tl.math.div_rn(y, s).to(tl.uint32, bitcast=True)
+    def _e4m3_code(y, s, r, STOCHASTIC: tl.constexpr, MUL: tl.constexpr):
+        """E4M3 code (uint32: sign 0x80 | magnitude) of ``y / s`` (IEEE division; ``s`` finite > 0; with MUL
+        ``y * s``), saturated at 448; NaN (0x7F with ``y``'s sign) where ``y`` is not finite."""
+        if MUL:
+            q = y * s
+        else:
+            q = tl.math.div_rn(y, s)
+        qb = q.to(tl.uint32, bitcast=True)
         ab = tl.minimum(qb & 0x7FFFFFFF, 0x43E00000)
         if STOCHASTIC:
             normal = ((ab + (r << 4)) >> 20) - 960
@@ -192,14 +196,20 @@ if available():
         return tl.where(m == 0x7F, 0x7FC00000, v).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fp8_cast_kernel(master_ptr, out_ptr, res_ptr, scale_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr,
-                         MODE: tl.constexpr, VIA_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        """MODE 0: nearest (VIA_BF16: of bf16(master)); 1: stochastic; 2: error feedback."""
+    def _fp8_cast_kernel(master_ptr, out_ptr, res_ptr, scale_ptr, mult_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr,
+                         MODE: tl.constexpr, VIA_BF16: tl.constexpr, MUL: tl.constexpr, BLOCK: tl.constexpr):
+        """MODE 0: nearest (VIA_BF16: of bf16(master)); 1: stochastic; 2: error feedback. MUL: codes multiply by
+        ``mult_ptr``'s factors (else divide by the scales)."""
         s, base, g, mask, pos, b = _tile(master_ptr, seg_ptr, tile_seg_ptr, tile_base_ptr, 8, BLOCK)
-        scale = tl.load(scale_ptr + _fp8_scale_index(g, s, seg_ptr), mask=mask, other=1.0)
+        sidx = _fp8_scale_index(g, s, seg_ptr)
+        scale = tl.load(scale_ptr + sidx, mask=mask, other=1.0)
+        if MUL:
+            f = tl.load(mult_ptr + sidx, mask=mask, other=1.0)
+        else:
+            f = scale
         if MODE == 1:
             r = _bits16(base, tl.load(seg_ptr + 8 * s + 3), tl.load(seg_ptr + 8 * s + 4), BLOCK)
-            code = _e4m3_code(b.to(tl.float32, bitcast=True), scale, r, True)
+            code = _e4m3_code(b.to(tl.float32, bitcast=True), f, r, True, MUL)
         elif MODE == 2:
             x = b.to(tl.float32, bitcast=True)
             e = tl.load(res_ptr + pos, mask=mask, other=0.0)
@@ -208,11 +218,11 @@ if available():
             yb = y.to(tl.uint32, bitcast=True)
             y = tl.where(finite & ((yb & 0x7FFFFFFF) == 0x7F800000), (yb & 0x80000000) | 0x7F7FFFFF,
                          yb).to(tl.float32, bitcast=True)  # saturate at fp32 max
-            code = _e4m3_code(y, scale, 0, False)
+            code = _e4m3_code(y, f, 0, False, MUL)
             tl.store(res_ptr + pos, tl.where(finite, y - _e4m3_value(code) * scale, e), mask=mask)
         else:
             x = _bf16_value(b) if VIA_BF16 else b.to(tl.float32, bitcast=True)
-            code = _e4m3_code(x, scale, 0, False)
+            code = _e4m3_code(x, f, 0, False, MUL)
         tl.store(out_ptr + pos, code.to(tl.uint8), mask=mask)
 
     @triton.jit
@@ -303,12 +313,13 @@ def fp8_absmax(masters, table: torch.Tensor, absmax: torch.Tensor, residuals=Non
 
 
 def cast_fp8(mode: int, masters, outs, table: torch.Tensor, scales: torch.Tensor, residuals=None,
-             via_bf16: bool = False) -> None:
+             via_bf16: bool = False, multipliers: torch.Tensor | None = None) -> None:
     """The Triton backend of :func:`faircast_dist.fused.cast_fp8` (arguments checked there; ``mode``: the method's
     :data:`faircast_dist.fused.KERNEL_CODES` entry)."""
     if not available():
         raise ValueError("the triton backend needs triton >= 3.0 (`pip install triton`)")
     for k, rows, seg, base in _fp8_launches(table, masters[0].device):
         res = residuals[k] if residuals is not None else masters[k]
-        _fp8_cast_kernel[(seg.numel(),)](masters[k].view(torch.int32), outs[k], res, scales, rows, seg, base,
-                                         MODE=mode, VIA_BF16=via_bf16, BLOCK=BLOCK, **COMPILE_OPTIONS)
+        _fp8_cast_kernel[(seg.numel(),)](masters[k].view(torch.int32), outs[k], res, scales,
+                                         scales if multipliers is None else multipliers, rows, seg, base, MODE=mode,
+                                         VIA_BF16=via_bf16, MUL=multipliers is not None, BLOCK=BLOCK, **COMPILE_OPTIONS)

@@ -277,29 +277,33 @@ def e4m3_round(y: torch.Tensor, bits16: torch.Tensor | None = None) -> torch.Ten
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
-def _scaled(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``y / scale``, saturated at ±448 where ``y`` is finite (a finite value whose quotient overflows to Inf is
-    served as ±448, never NaN)."""
-    q = y / scale
+def _scaled(y: torch.Tensor, scale: torch.Tensor, multiplier: torch.Tensor | None = None) -> torch.Tensor:
+    """``y / scale`` (``y * multiplier`` when given), saturated at ±448 where ``y`` is finite (a finite value whose
+    quotient overflows to Inf is served as ±448, never NaN)."""
+    q = y / scale if multiplier is None else y * multiplier
     return torch.where(torch.isfinite(y), torch.clamp(q, -E4M3_MAX, E4M3_MAX), q)
 
 
-def _check_fp8_args(master: torch.Tensor, scale: torch.Tensor) -> None:
+def _check_fp8_args(master: torch.Tensor, scale: torch.Tensor, multiplier: torch.Tensor | None = None) -> None:
     if master.dtype != torch.float32:
         raise TypeError(f"master shard must be float32, got {master.dtype}")
-    if scale.dtype != torch.float32 or scale.shape != master.shape:
-        raise ValueError(f"scale must be float32 shaped like the master shard {tuple(master.shape)} (one scale per "
-                         f"element: faircast_dist.fp8.element_scales), got {scale.dtype} {tuple(scale.shape)}")
+    for name, t in (("scale", scale), ("multiplier", multiplier)):
+        if t is not None and (t.dtype != torch.float32 or t.shape != master.shape):
+            raise ValueError(f"{name} must be float32 shaped like the master shard {tuple(master.shape)} (one per "
+                             f"element: faircast_dist.fp8.element_scales), got {t.dtype} {tuple(t.shape)}")
 
 
-def cast_fp8_nearest(master: torch.Tensor, scale: torch.Tensor, via_bf16: bool = False) -> torch.Tensor:
+def cast_fp8_nearest(master: torch.Tensor, scale: torch.Tensor, via_bf16: bool = False,
+                     multiplier: torch.Tensor | None = None) -> torch.Tensor:
     """Round-to-nearest FP8: ``q = RTN(master / scale)``, what RL stacks serve today.
 
     Args:
         master: float32 shard, any shape.
         scale: float32 per-element scales shaped like ``master`` (``faircast_dist.fp8.element_scales``).
-        via_bf16: round the master to bf16 first (``RTN(bf16(master) / scale)``): the stacks' double rounding,
-            kept for comparison.
+        via_bf16: round the master to bf16 first (``RTN(bf16(master) / scale)``): the stacks' double rounding.
+        multiplier: None, or float32 per-element multipliers shaped like ``master``: ``q = RTN(master *
+            multiplier)`` (a :class:`faircast_dist.fp8.ScaleRule` whose codes multiply, as verl's quantizer); the
+            same for the other FP8 casts.
 
     Returns:
         float8_e4m3fn tensor shaped like ``master``; ``q.float() * scale`` is the served weight.
@@ -307,14 +311,14 @@ def cast_fp8_nearest(master: torch.Tensor, scale: torch.Tensor, via_bf16: bool =
     Raises:
         TypeError / ValueError: on wrong dtypes or shapes.
     """
-    _check_fp8_args(master, scale)
+    _check_fp8_args(master, scale, multiplier)
     if via_bf16:  # (a non-finite master as it is: torch's cast may flip a NaN's sign)
         master = torch.where(torch.isfinite(master), master.to(torch.bfloat16).float(), master)
-    return e4m3_round(_scaled(master, scale))
+    return e4m3_round(_scaled(master, scale, multiplier))
 
 
 def cast_fp8_stochastic(master: torch.Tensor, scale: torch.Tensor, key: tuple[int, int],
-                        index: torch.Tensor | int) -> torch.Tensor:
+                        index: torch.Tensor | int, multiplier: torch.Tensor | None = None) -> torch.Tensor:
     """Stochastic (or, with a dither key, dithered) FP8: ``q = SR(master / scale)`` with the element's 16 bits
     from the same Philox stream as the bf16 cast (``key`` and global ``index`` as :func:`cast_stochastic`).
 
@@ -325,14 +329,15 @@ def cast_fp8_stochastic(master: torch.Tensor, scale: torch.Tensor, key: tuple[in
     Raises:
         TypeError / ValueError: on wrong dtypes or shapes.
     """
-    _check_fp8_args(master, scale)
+    _check_fp8_args(master, scale, multiplier)
     check_stochastic_args(master, index, None)
     bits = random_bits16(key, index if isinstance(index, int) else index.reshape(-1), numel=master.numel(),
                          device=master.device).reshape(master.shape)
-    return e4m3_round(_scaled(master, scale), bits)
+    return e4m3_round(_scaled(master, scale, multiplier), bits)
 
 
-def cast_fp8_error_feedback(master: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def cast_fp8_error_feedback(master: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor,
+                            multiplier: torch.Tensor | None = None) -> torch.Tensor:
     """Error-feedback FP8: ``y = master + residual; q = RTN(y / scale); residual <- y - q * scale`` (in place;
     the residual is in the master's units, fp32, and ``q * scale`` is rounded before the subtraction: no fused
     multiply-add). For a finite master, ``y`` saturates at ±fp32 max and ``y / scale`` at ±448, so q and the
@@ -345,13 +350,13 @@ def cast_fp8_error_feedback(master: torch.Tensor, scale: torch.Tensor, residual:
         TypeError / ValueError: on wrong dtypes or shapes, or a residual that is not fp32, contiguous and shaped
         like ``master``.
     """
-    _check_fp8_args(master, scale)
+    _check_fp8_args(master, scale, multiplier)
     if residual.dtype != torch.float32 or residual.shape != master.shape or not residual.is_contiguous():
         raise ValueError(f"residual must be a contiguous float32 tensor shaped like the master shard "
                          f"{tuple(master.shape)}, got {residual.dtype} {tuple(residual.shape)}")
     finite = torch.isfinite(master)  # (a non-finite master as it is: its NaN's sign too)
     y = torch.where((residual == 0) | ~finite, master, master + residual)  # -0 + 0 would give +0: keep the sign
     y = torch.where(finite, torch.clamp(y, -_FP32_MAX, _FP32_MAX), y)  # never Inf from finite
-    q = e4m3_round(_scaled(y, scale))
+    q = e4m3_round(_scaled(y, scale, multiplier))
     residual.copy_(torch.where(torch.isfinite(master), y - q.float() * scale, residual))
     return q

@@ -246,7 +246,7 @@ class DriftSample:
         offsets = self.fp8.scale_offsets()
         for r, (name, *_) in enumerate(rows):
             at = row == r
-            scale[at] = offsets[name] + self.fp8.layout.scale_index(self.fp8.shapes[name], g[at])
+            scale[at] = offsets[name] + self.fp8.rule.scale_index(self.fp8.shapes[name], g[at])
         return pos, scale
 
     def _select(self, pieces: Iterable[tuple], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

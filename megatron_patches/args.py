@@ -9,6 +9,7 @@
     --[no-]export-cast-fp8-ue8m0                     default off (power-of-two scales)
     --[no-]export-cast-fp8-via-bf16                  default off (round-to-nearest via bf16: the stacks')
     --export-cast-fp8-exclude REGEX                  default: embeddings, output layer, norms, routers
+    --export-cast-fp8-rule {verl,vllm-fp8-per-channel,...}  default none (faircast's scales; a stack's quantizer)
     --[no-]export-cast-telemetry                     default on (with --tensorboard-dir / --wandb-project)
 
 Under ``faircast-run`` the defaults of all but the last are ``FAIRCAST_EXPORT_CAST``'s: a flag given on
@@ -22,12 +23,14 @@ from typing import Callable, Optional
 
 from faircast_dist import ExportCastConfig
 from faircast_dist.config import FORMATS, FP8_SCALES, METHODS, MODES, RESIDUAL_DTYPES, ConfigError, Method, env_config
+from faircast_dist.fp8 import PRESETS
 
 GROUP_TITLE = "export cast (Fair Cast)"
 FLAGS = {"mode": "--export-cast", "method": "--export-cast-method", "seed": "--export-cast-seed",
          "residual_dtype": "--export-cast-residual-dtype", "format": "--export-cast-format",
          "fp8_scales": "--export-cast-fp8-scales", "fp8_ue8m0": "--export-cast-fp8-ue8m0",
-         "fp8_via_bf16": "--export-cast-fp8-via-bf16", "fp8_exclude": "--export-cast-fp8-exclude"}  # field -> flag
+         "fp8_via_bf16": "--export-cast-fp8-via-bf16", "fp8_exclude": "--export-cast-fp8-exclude",
+         "fp8_rule": "--export-cast-fp8-rule"}  # field -> flag
 
 
 def add_export_cast_args(parser: argparse.ArgumentParser,
@@ -82,6 +85,12 @@ def add_export_cast_args(parser: argparse.ArgumentParser,
     group.add_argument("--export-cast-fp8-exclude", default=defaults.fp8_exclude, metavar="REGEX",
                        help="With --export-cast-format fp8: params whose name matches stay bf16 (default: "
                             "embeddings, the output layer, norms, routers).")
+    group.add_argument("--export-cast-fp8-rule", choices=list(PRESETS), default=defaults.fp8_rule,
+                       help="With --export-cast-format fp8: scales and codes as an RL stack's FP8 quantizer computes "
+                            "them (faircast_dist.fp8.PRESETS), instead of faircast's sticky scales: with "
+                            "--export-cast nearest the stack's own bytes, with a fair method the stack's scales "
+                            "and fair rounding. Sets the scales: leave --export-cast-fp8-scales/-ue8m0/-via-bf16 "
+                            "unset.")
     group.add_argument("--export-cast-telemetry", action=argparse.BooleanOptionalAction, default=True,
                        help="With --export-cast fair and --tensorboard-dir or --wandb-project: log "
                             "export-cast/{changed-fraction,lag-steps,gap-ulps,export-ms} at every "

@@ -615,7 +615,7 @@ def _fp8_shapes(config, leaves, layouts) -> list[dict] | None:
 def _fused(config, shapes: dict | None, model_config) -> dict:
     """``format "fp8"`` with block scales: ``{name: FusedRows}`` of the FP8 params among ``shapes`` that fuse
     checkpoint tensors (:func:`megatron_patches.layout.fused_rows`; an excluded param is not asked). Else empty."""
-    if not shapes or config.fp8_scales != "block":
+    if not shapes or config.scale_rule.granularity != "block":
         return {}
     fused = {n: fused_rows(n, shape, model_config) for n, shape in shapes.items() if fp8_param(config, n, tuple(shape))}
     return {n: f for n, f in fused.items() if f is not None}

@@ -143,10 +143,10 @@ def fp8_cases(master: torch.Tensor, key, residual: torch.Tensor) -> dict:
     per-element scales), the fused casts and absmax (faircast_dist.fused: one segment row), and a whole dithered
     FP8 export (absmax, sticky scales, cast: ``ExportState.export_fp8``, fused)."""
     from faircast_dist.export import ExportState, Shard
-    from faircast_dist.fp8 import Fp8Layout, element_scales, partial_absmax
+    from faircast_dist.fp8 import ScaleRule, element_scales, partial_absmax
     numel = master.numel() // 1024 * 1024
     x, shape = master[:numel], (numel // 1024, 1024)
-    layout = Fp8Layout("channel")
+    layout = ScaleRule("channel")
     index = layout.scale_index(shape, 0, numel, device=x.device)
     scales = layout.scales(partial_absmax(x, index, shape[0]))
     scale = element_scales(scales, index)

@@ -318,7 +318,7 @@ class Exports:
         full = sum(weights[n].numel() + 4 * scales[n].numel() for n in self.fp8_names)
         dequantized = self._dequantized(weights, scales)
         m, q = self.sample(master, self.fp8_names), self.sample(dequantized, self.fp8_names)
-        s = torch.cat([scales[n].reshape(-1)[state.fp8.layout.scale_index(state.fp8.shapes[n], self.local[n])]
+        s = torch.cat([scales[n].reshape(-1)[state.fp8.rule.scale_index(state.fp8.shapes[n], self.local[n])]
                        for n in self.fp8_names])
         gap = (q - m).abs() / (e4m3_spacing(m / s) * s)
         served = {n: dequantized.get(n, self.served[base][n]) for n in self.names}

@@ -14,13 +14,13 @@ grid").
 """
 import torch
 
-from faircast_dist.fp8 import Fp8Layout
+from faircast_dist.fp8 import ScaleRule
 from faircast_dist.rounding import cast_fp8_nearest, cast_fp8_stochastic, cast_stochastic
 from faircast_dist.telemetry import LagTracker
 
 N, K, STEPS, LR = 64, 1024, 300, 3e-6
 CASTS = ("bf16_nearest", "bf16_dithered", "fp8_nearest", "fp8_dithered", "fp8_stochastic")
-LAYOUT = Fp8Layout("channel", ue8m0=True)
+LAYOUT = ScaleRule("channel", ue8m0=True)
 INDEX = torch.arange(N * K).view(N, K)
 
 

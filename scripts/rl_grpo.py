@@ -330,9 +330,9 @@ def start_on_fp8_grid(model, export_cast: dict) -> None:
     master crosses half a spacing, as in an RL run from an FP8 checkpoint, and unlike a start from bf16 weights,
     whose positions between two E4M3 values are spread like a fixed dither's. Non-FP8 params are left as they are."""
     from faircast_dist import ExportCastConfig
-    from faircast_dist.fp8 import Fp8Layout, fp8_param
+    from faircast_dist.fp8 import ScaleRule, fp8_param
     config = ExportCastConfig.from_value(export_cast)
-    layout = Fp8Layout("channel", config.fp8_ue8m0)
+    layout = ScaleRule("channel", config.fp8_ue8m0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if fp8_param(config, name, tuple(p.shape)):

@@ -181,7 +181,7 @@ def reference_fp8(config, snapshots, scales: dict | None = None) -> list[dict]:
     from faircast_dist import ExportCastConfig, FairCaster, fp8, rounding
     config = ExportCastConfig.from_value(config)
     caster = FairCaster(config)
-    layout = fp8.Fp8Layout(config.fp8_scales, config.fp8_ue8m0)
+    layout = config.scale_rule
     scales, residual, out = dict(scales or {}), {}, []
     for snap in snapshots:
         caster.step = snap["step"]
@@ -191,17 +191,18 @@ def reference_fp8(config, snapshots, scales: dict | None = None) -> list[dict]:
                 continue
             x, shape = master.reshape(-1).float(), tuple(master.shape)
             r = residual.setdefault(name, torch.zeros_like(x))
-            y = x + r if caster.method == "error_feedback" else x.bfloat16().float() if config.fp8_via_bf16 else x
+            y = x + r if caster.method == "error_feedback" else x.bfloat16().float() if config.fp8_round_bf16 else x
             index = layout.scale_index(shape, 0, x.numel())
             absmax = fp8.partial_absmax(y, index, index.max().item() + 1).view(layout.scale_shape(shape))
-            scales[name], _ = fp8.sticky_scales(layout, scales.get(name), absmax)
+            scales[name], mult, _ = layout.next_scales(scales.get(name), absmax)
             s = fp8.element_scales(scales[name], index)
+            m = None if mult is None else fp8.element_scales(mult, index)
             if caster.method in ("stochastic", "dithered"):
-                q = rounding.cast_fp8_stochastic(x, s, caster.key(name), 0)
+                q = rounding.cast_fp8_stochastic(x, s, caster.key(name), 0, multiplier=m)
             elif caster.method == "error_feedback":
-                q = rounding.cast_fp8_error_feedback(x, s, r)
+                q = rounding.cast_fp8_error_feedback(x, s, r, multiplier=m)
             else:
-                q = rounding.cast_fp8_nearest(x, s, via_bf16=config.fp8_via_bf16)
+                q = rounding.cast_fp8_nearest(x, s, via_bf16=config.fp8_round_bf16, multiplier=m)
             served[name] = q.view(shape)
             served[name[:-len("weight")] + layout.scale_name] = scales[name].clone()
         out.append(served)

@@ -229,7 +229,7 @@ def test_fp8_drift_sample_measures_the_served_fp8_copy():
     shapes = {"a.weight": (10, 100), "b.weight": (20, 100)}
     fp8 = Fp8Export(FairCaster(ExportCastConfig.from_value({"mode": "fair", "format": "fp8"})), shapes)
     fp8.scales = {n: torch.rand(shape[0], 1, generator=g) * 0.01 + 0.001 for n, shape in shapes.items()}
-    scale = torch.cat([element_scales(fp8.scales[n], fp8.layout.scale_index(shape, 0, shape[0] * shape[1]))
+    scale = torch.cat([element_scales(fp8.scales[n], fp8.rule.scale_index(shape, 0, shape[0] * shape[1]))
                        for n, shape in shapes.items()])
     masters = [torch.randn(3000, generator=g)]
     masters[0][:50] *= 1e-4  # the subnormal grid of E4M3

@@ -3,7 +3,7 @@ DP 2) and FSDP2 (2 ranks) run the same jobs, and the same checks hold for all th
 reference of docs/design.md (``helpers.reference_fp8``: the spec functions on whole params):
 
 * the FP8 served weights and scales, at install and after every step, are the reference cast of the gathered
-  masters, for every method and scale layout;
+  masters, for every method and scale layout, and under the stacks' scale rules;
 * every export draws fresh bits: stochastic rounding of unchanged masters differs between the install-time export
   and each step's (they once shared step 0's key in DeepSpeed and Megatron);
 * resume == uninterrupted (error feedback: the FP8 bits, sticky scales and FP8 residuals come back);
@@ -20,13 +20,18 @@ import torch
 import ds_worker
 import fsdp_worker
 import megatron_worker
+from faircast_dist import ExportCastConfig
 from helpers import bits, reference_fp8, reference_fp8_fused
 
 EF = {"mode": "fair", "method": "error_feedback"}
 CONFIGS = {"error_feedback": {**EF, "format": "fp8"},
            "dithered_block": {"mode": "fair", "method": "dithered", "seed": 7, "format": "fp8", "fp8_scales": "block"},
            "nearest_via_bf16": {"mode": "nearest", "format": "fp8", "fp8_via_bf16": True},
-           "stochastic_ue8m0": {"mode": "fair", "method": "stochastic", "seed": 7, "format": "fp8", "fp8_ue8m0": True}}
+           "stochastic_ue8m0": {"mode": "fair", "method": "stochastic", "seed": 7, "format": "fp8", "fp8_ue8m0": True},
+           # the stacks' quantizers (faircast_dist.fp8.PRESETS): recomputed block scales with codes multiplied
+           # (verl's), a tensor scale and round-to-nearest of bf16(master) (vLLM's online per-tensor)
+           "verl_dithered": {"mode": "fair", "method": "dithered", "seed": 7, "format": "fp8", "fp8_rule": "verl"},
+           "vllm_per_tensor_nearest": {"mode": "nearest", "format": "fp8", "fp8_rule": "vllm-fp8-per-tensor"}}
 SAVED = ("error_feedback", "stochastic_ue8m0")  # their runs save a checkpoint after SAVE_AFTER steps
 SWITCHED = {**CONFIGS["error_feedback"], "fp8_ue8m0": True}  # loads stochastic_ue8m0's checkpoint
 STEPS, SAVE_AFTER = 4, 2
@@ -105,7 +110,7 @@ def adapter(request, tmp_path_factory):
 def reference(name: str, config: dict, snaps: list, scales: dict | None = None) -> list:
     """The single-process reference of ``snaps`` (Megatron's fused q/k/v and gate/up with block scales: on the
     stack of the checkpoint's tensors; its tiny GPT has 4 heads in 4 query groups)."""
-    if name == "megatron" and config.get("fp8_scales") == "block":
+    if name == "megatron" and ExportCastConfig.from_value(config).scale_rule.granularity == "block":
         return reference_fp8_fused(config, snaps, groups=4, heads=4)
     return reference_fp8(config, snaps, scales)
 
@@ -125,7 +130,7 @@ def test_fp8_served_weights_are_the_reference_cast_of_the_gathered_masters(adapt
     name, runs = adapter
     snaps = runs[f"train/{config}"]["fp8"]
     assert [s["step"] for s in snaps] == list(range(STEPS + 1))
-    scale = "weight_scale_inv" if CONFIGS[config].get("fp8_scales") == "block" else "weight_scale"
+    scale = ExportCastConfig.from_value(CONFIGS[config]).scale_rule.scale_name
     assert any(n.endswith(scale) for n in snaps[0]["served"])
     assert not any("embed" in n or "norm" in n for n in snaps[0]["served"]), sorted(snaps[0]["served"])
     for k, (snap, want) in enumerate(zip(snaps, reference(name, CONFIGS[config], snaps))):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from faircast_dist.fp8 import Fp8Layout, element_scales, partial_absmax, sticky_scales
+from faircast_dist.fp8 import ScaleRule, element_scales, partial_absmax
 from faircast_dist.philox import derive_dither_key, derive_key
 from faircast_dist.rounding import (E4M3_MAX, cast_fp8_error_feedback, cast_fp8_nearest, cast_fp8_stochastic,
                                     e4m3_round)
@@ -64,7 +64,7 @@ def test_stochastic_is_unbiased_over_all_2_16_bits(y):
 def test_scales_fit_the_maximum_and_are_the_smallest_of_their_kind():
     a = torch.cat([spread(1 << 16, -40, 40).abs(), torch.tensor([0.0, 448.0, 1.0, 2.0**-130])])
     for ue8m0 in (False, True):
-        s = Fp8Layout(ue8m0=ue8m0).scales(a)
+        s = ScaleRule(ue8m0=ue8m0).scales(a)
         assert (a / s <= E4M3_MAX).all() and (s >= 2.0**-126).all()
         big = a > E4M3_MAX * 2.0**-126
         if ue8m0:
@@ -74,26 +74,26 @@ def test_scales_fit_the_maximum_and_are_the_smallest_of_their_kind():
             smaller = torch.nextafter(s, torch.zeros_like(s))
             assert (a[big] / smaller[big] > E4M3_MAX).all()
     # the maximum lands at (or one FP8 step under) 448 with round-to-nearest
-    s = Fp8Layout().scales(a[big := a > 1e-30])
+    s = ScaleRule().scales(a[big := a > 1e-30])
     assert (e4m3_round(a[big] / s).float() >= 416).all()
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block"])
 def test_sticky_scales_change_only_where_an_element_no_longer_fits(granularity):
-    layout, shape = Fp8Layout(granularity), (300, 200)  # blocks of 128 that the edges cut
+    layout, shape = ScaleRule(granularity), (300, 200)  # blocks of 128 that the edges cut
     master = torch.randn(shape, generator=G)
     sidx = layout.scale_index(shape, 0, master.numel()).reshape(shape)
     n = torch.Size(layout.scale_shape(shape)).numel()
-    s0, first = sticky_scales(layout, None, partial_absmax(master, sidx, n))
+    s0, _, first = layout.next_scales(None, partial_absmax(master, sidx, n))
     assert first.all() and s0.shape == (n,)
     # an update that keeps every element within its scale: nothing rescaled, same scales
     moved = master * 0.999
-    s1, re1 = sticky_scales(layout, s0, partial_absmax(moved, sidx, n))
+    s1, _, re1 = layout.next_scales(s0, partial_absmax(moved, sidx, n))
     assert not re1.any() and torch.equal(s1, s0)
     # one element past 448 of its scale: its channel or block alone is set again
     grown = master.clone()
     grown[250, 150] = 1000.0
-    s2, re2 = sticky_scales(layout, s0, partial_absmax(grown, sidx, n))
+    s2, _, re2 = layout.next_scales(s0, partial_absmax(grown, sidx, n))
     want = 250 if granularity == "channel" else (250 // 128) * 2 + 150 // 128
     assert re2.nonzero().flatten().tolist() == [want]
     assert torch.equal(s2[re2 == 0], s0[re2 == 0]) and s2[want] > s0[want]
@@ -106,11 +106,11 @@ def test_a_kept_scale_that_is_no_scale_is_set_again():
     bad = torch.tensor([float("nan"), float("inf"), 0.0, -1.0, 0.0, 1.0])
     absmax = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
     for ue8m0 in (False, True):
-        layout = Fp8Layout(ue8m0=ue8m0)
-        scales, rescaled = sticky_scales(layout, bad, absmax)
+        layout = ScaleRule(ue8m0=ue8m0)
+        scales, _, rescaled = layout.next_scales(bad, absmax)
         assert rescaled.tolist() == [True] * 5 + [False]
         assert torch.equal(scales[:5], layout.scales(absmax[:5])) and scales[5] == 1.0
-    assert torch.isnan(Fp8Layout(ue8m0=True).scales(torch.tensor([float("nan")]))).all()
+    assert torch.isnan(ScaleRule(ue8m0=True).scales(torch.tensor([float("nan")]))).all()
 
 
 def test_finite_masters_saturate_and_never_serve_nan():
@@ -143,14 +143,14 @@ def test_a_non_finite_master_serves_nan_with_its_sign(backend):
 
 def test_absmax_skips_non_finite_elements():
     y = torch.tensor([[1.0, float("nan"), -3.0], [float("inf"), -2.0, 0.5]])
-    assert partial_absmax(y, Fp8Layout().scale_index((2, 3), 0, 6).reshape(2, 3), 2).tolist() == [3.0, 2.0]
+    assert partial_absmax(y, ScaleRule().scale_index((2, 3), 0, 6).reshape(2, 3), 2).tolist() == [3.0, 2.0]
 
 
 def test_scale_layouts_match_vllms_shapes_and_names():
-    assert Fp8Layout("channel").scale_shape((300, 200)) == (300, 1)
-    assert Fp8Layout("block").scale_shape((300, 200)) == (3, 2)
-    assert (Fp8Layout("channel").scale_name, Fp8Layout("block").scale_name) == ("weight_scale", "weight_scale_inv")
-    idx = Fp8Layout("block").scale_index((300, 200), torch.tensor([0, 127, 128, 199, 128 * 200, 299 * 200 + 199]))
+    assert ScaleRule("channel").scale_shape((300, 200)) == (300, 1)
+    assert ScaleRule("block").scale_shape((300, 200)) == (3, 2)
+    assert (ScaleRule("channel").scale_name, ScaleRule("block").scale_name) == ("weight_scale", "weight_scale_inv")
+    idx = ScaleRule("block").scale_index((300, 200), torch.tensor([0, 127, 128, 199, 128 * 200, 299 * 200 + 199]))
     assert idx.tolist() == [0, 0, 1, 1, 2, 5]
 
 
@@ -158,12 +158,12 @@ def test_scale_layouts_match_vllms_shapes_and_names():
 def test_shards_give_the_whole_tensors_scales_and_bytes(granularity):
     """Any split of the flat elements (mid-row, mid-block starts, strided): partial absmax MAX-reduced, and the
     stochastic cast keyed on global indices, equal the single-process export bit for bit."""
-    layout, shape = Fp8Layout(granularity), (300, 200)
+    layout, shape = ScaleRule(granularity), (300, 200)
     master = torch.randn(shape, generator=G) * torch.exp2(torch.randint(-8, 8, (300, 1), generator=G).float())
     flat = master.reshape(-1)
     n = torch.Size(layout.scale_shape(shape)).numel()
     whole_idx = layout.scale_index(shape, 0, flat.numel())
-    scales, _ = sticky_scales(layout, None, partial_absmax(flat, whole_idx, n))
+    scales, _, _ = layout.next_scales(None, partial_absmax(flat, whole_idx, n))
     key = derive_key(3, 7, "w")
     whole = cast_fp8_stochastic(flat, element_scales(scales, whole_idx), key, 0)
     cuts = [0, 1, 12345, 25600 + 77, 40000, flat.numel()]
@@ -272,10 +272,10 @@ def test_fused_experts_are_served_as_their_checkpoint_tensors_in_fp8(granularity
 def test_stochastic_and_dithered_are_unbiased_in_the_served_weight():
     """Mean over 4000 exports of q * s vs the master, per element: within 5 standard errors of a Bernoulli over
     one spacing (sd <= spacing / 2)."""
-    layout, shape = Fp8Layout(), (4, 64)
+    layout, shape = ScaleRule(), (4, 64)
     master = torch.randn(shape, generator=G)
     sidx = layout.scale_index(shape, 0, master.numel()).reshape(shape)
-    s = element_scales(sticky_scales(layout, None, partial_absmax(master, sidx, 4))[0], sidx)
+    s = element_scales(layout.next_scales(None, partial_absmax(master, sidx, 4))[0], sidx)
     steps = 4000
     total = torch.zeros(shape, dtype=torch.float64)
     for step in range(steps):
@@ -318,19 +318,19 @@ def test_error_feedback_non_finite_master_keeps_its_residual():
 
 
 def test_double_rounding_through_bf16_is_a_different_cast():
-    layout, shape = Fp8Layout(), (64, 64)
+    layout, shape = ScaleRule(), (64, 64)
     master = torch.randn(shape, generator=G)
     sidx = layout.scale_index(shape, 0, master.numel()).reshape(shape)
-    s = element_scales(sticky_scales(layout, None, partial_absmax(master, sidx, 64))[0], sidx)
+    s = element_scales(layout.next_scales(None, partial_absmax(master, sidx, 64))[0], sidx)
     direct, twice = cast_fp8_nearest(master, s), cast_fp8_nearest(master, s, via_bf16=True)
     assert 0 < (bits(direct) != bits(twice)).sum() < master.numel() // 50
 
 
 def test_bad_input():
     with pytest.raises(ValueError, match="granularity"):
-        Fp8Layout("tensor")
+        ScaleRule("row")
     with pytest.raises(ValueError, match="2-D"):
-        Fp8Layout().scale_shape((4, 4, 4))
+        ScaleRule().scale_shape((4, 4, 4))
     with pytest.raises(ValueError, match="scale must be float32 shaped like"):
         cast_fp8_nearest(torch.ones(4, 4), torch.ones(4, 1))
     with pytest.raises(TypeError, match="float32"):

@@ -3,6 +3,7 @@
 The reference (faircast_dist.rounding + philox) is the spec. The CPU kernel is tested on full-size
 inputs; Triton runs under TRITON_INTERPRET=1 (numpy on the CPU), so it gets small ones.
 """
+import itertools
 import math
 import os
 import warnings
@@ -481,15 +482,18 @@ def fp8_rows(sizes, g, granularity):
 @pytest.mark.parametrize("backend", FP8_BACKENDS)
 @pytest.mark.parametrize("granularity", ["channel", "block"])
 def test_fp8_kernels_equal_the_spec(backend, granularity):
-    """fp8_absmax and cast_fp8 (nearest, nearest via bf16, stochastic, error feedback over 3 exports) on
-    random rows over several buffers == the reference backend (rounding.cast_fp8_*, fp8.partial_absmax): the
-    E4M3 bytes exactly, the absmax and the residuals bit for bit (NaN residuals: NaN on both sides)."""
+    """fp8_absmax and cast_fp8 (nearest, nearest via bf16, stochastic, error feedback over 3 exports; codes
+    dividing by the scales, and multiplying by separate multipliers) on random rows over several buffers == the
+    reference backend (rounding.cast_fp8_*, fp8.partial_absmax): the E4M3 bytes exactly, the absmax and the
+    residuals bit for bit (NaN residuals: NaN on both sides)."""
     g = torch.Generator().manual_seed(21)
     sizes = [SIZE[backend] // 2, 3000, SIZE[backend] // 4]
     masters = [fp8_inputs(n, k) for k, n in enumerate(sizes)]
     rows, num_scales = fp8_rows([m.numel() for m in masters], g, granularity)
     scales = 2.0 ** torch.randint(-8, 5, (num_scales,), generator=g).float() * (1 + torch.rand(num_scales, generator=g))
     scales[::7] = 2.0 ** torch.randint(-8, 5, (len(scales[::7]),), generator=g).float()  # ties stay ties
+    # multipliers near 1 / scale but not it (a kernel dividing instead, or using the scale, gives other codes)
+    multipliers = (1.0 / scales) * (1 + torch.rand(num_scales, generator=g) * 2 ** -6)
     residuals = [(torch.rand(m.numel(), generator=g) - 0.5) * 1e-2 for m in masters]
     for r in residuals:
         r[::5] = 0.0  # the master itself (a -0 master stays -0)
@@ -498,16 +502,20 @@ def test_fp8_kernels_equal_the_spec(backend, granularity):
         fused.fp8_absmax(masters, rows, got, res, via_bf16=via, backend=backend)
         fused.fp8_absmax(masters, rows, want, res, via_bf16=via, backend="reference")
         assert torch.equal(bits(got), bits(want)), f"absmax of {y_of}"
-    for method, via in [("nearest", False), ("nearest", True), ("stochastic", False), ("error_feedback", False)]:
+    for (method, via), mult in itertools.product(
+            [("nearest", False), ("nearest", True), ("stochastic", False), ("error_feedback", False)],
+            [None, multipliers]):
         res = {b: [r.clone() for r in residuals] if method == "error_feedback" else None for b in (backend, "reference")}
         for export in range(3 if method == "error_feedback" else 1):
             out = {b: [torch.full(m.shape, 0x55, dtype=torch.uint8) for m in masters] for b in res}
             for b in res:
-                fused.cast_fp8(method, masters, out[b], rows, scales, res[b], via_bf16=via, backend=b)
+                fused.cast_fp8(method, masters, out[b], rows, scales, res[b], via_bf16=via, backend=b,
+                               multipliers=mult)
             for k in range(len(masters)):
                 differ = out[backend][k] != out["reference"][k]
-                assert not differ.any(), (f"{method} via_bf16={via} export {export}: {int(differ.sum())} bytes "
-                                          f"differ in buffer {k}, first at {int(differ.nonzero()[0, 0])}")
+                assert not differ.any(), (f"{method} via_bf16={via} multipliers={mult is not None} export {export}: "
+                                          f"{int(differ.sum())} bytes differ in buffer {k}, first at "
+                                          f"{int(differ.nonzero()[0, 0])}")
                 if method == "error_feedback":
                     assert_same_bits(res[backend][k], res["reference"][k])
 

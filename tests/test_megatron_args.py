@@ -48,6 +48,12 @@ def test_fp8_flags_parse_into_the_shared_config_and_name_themselves():
                                               "--export-cast-fp8-scales block".split())).fp8_scales == "block"
     with pytest.raises(SystemExit):
         parser.parse_args("--export-cast-fp8-scales row".split())
+    args = parser.parse_args("--bf16 --export-cast fair --export-cast-method dithered --export-cast-format fp8 "
+                             "--export-cast-fp8-rule vllm-fp8-per-channel".split())
+    assert config_from_args(args).scale_rule.name == "vllm-fp8-per-channel"
+    with pytest.raises(ValueError, match="--export-cast-fp8-scales: .*fp8_rule 'verl' sets the scales"):
+        config_from_args(parser.parse_args("--bf16 --export-cast-format fp8 --export-cast-fp8-rule verl "
+                                           "--export-cast-fp8-scales block".split()))
 
 
 def test_provider_chains_with_a_scripts_own_provider_and_is_idempotent():

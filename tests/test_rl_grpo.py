@@ -85,7 +85,7 @@ def test_fp8_ue8m0_gives_the_fp8_arms_power_of_two_scales():
 def test_start_on_fp8_grid_puts_the_fp8_params_where_round_to_nearest_serves_them_unchanged(ue8m0):
     from transformers import LlamaConfig, LlamaForCausalLM
     from faircast_dist import ExportCastConfig
-    from faircast_dist.fp8 import Fp8Layout, fp8_param
+    from faircast_dist.fp8 import ScaleRule, fp8_param
     from faircast_dist.rounding import cast_fp8_nearest
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**rl_grpo.TINY))
@@ -96,7 +96,7 @@ def test_start_on_fp8_grid_puts_the_fp8_params_where_round_to_nearest_serves_the
     args = rl_grpo.parse_args(["--start-on-fp8-grid"] + (["--fp8-ue8m0"] if ue8m0 else []))
     export_cast = rl_grpo.arm_export_cast("fp8_nearest", 0, args)
     rl_grpo.start_on_fp8_grid(model, export_cast)
-    config, layout = ExportCastConfig.from_value(export_cast), Fp8Layout("channel", ue8m0)
+    config, layout = ExportCastConfig.from_value(export_cast), ScaleRule("channel", ue8m0)
 
     def rtn(w):  # what the FP8 arm's first export serves: fresh scales of w, round-to-nearest
         s = layout.scales(w.abs().amax(dim=1, keepdim=True)).expand_as(w).contiguous()

@@ -17,7 +17,8 @@ triton = pytest.importorskip("triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ["stochastic", "error_feedback/float32", "error_feedback/bfloat16", "fp8/nearest", "fp8/nearest_via_bf16",
-            "fp8/stochastic", "fp8/error_feedback", "fp8/absmax"]
+            "fp8/stochastic", "fp8/error_feedback", "fp8/absmax", "fp8/nearest_via_bf16_multiply",
+            "fp8/stochastic_multiply", "fp8/error_feedback_multiply"]
 
 
 @pytest.fixture(scope="module")

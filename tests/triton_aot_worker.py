@@ -31,9 +31,9 @@ from faircast_dist import fused_triton  # noqa: E402
 
 _BF16 = {"master_ptr": "*i32", "out_ptr": "*i16", "seg_ptr": "*i64", "tile_seg_ptr": "*i64", "tile_base_ptr": "*i64",
          "EF": "constexpr", "RES_BF16": "constexpr", "BLOCK": "constexpr"}
-_FP8 = {"master_ptr": "*i32", "out_ptr": "*u8", "res_ptr": "*fp32", "scale_ptr": "*fp32", "seg_ptr": "*i64",
-        "tile_seg_ptr": "*i64", "tile_base_ptr": "*i64", "MODE": "constexpr", "VIA_BF16": "constexpr",
-        "BLOCK": "constexpr"}
+_FP8 = {"master_ptr": "*i32", "out_ptr": "*u8", "res_ptr": "*fp32", "scale_ptr": "*fp32", "mult_ptr": "*fp32",
+        "seg_ptr": "*i64", "tile_seg_ptr": "*i64", "tile_base_ptr": "*i64", "MODE": "constexpr", "VIA_BF16": "constexpr",
+        "MUL": "constexpr", "BLOCK": "constexpr"}
 _ABSMAX = {"master_ptr": "*i32", "res_ptr": "*fp32", "amax_ptr": "*i32", "seg_ptr": "*i64", "tile_seg_ptr": "*i64",
            "tile_base_ptr": "*i64", "Y": "constexpr", "BLOCK": "constexpr"}
 # variant: (kernel name, signature, constexprs) as fused_triton launches them (FP8: master as int32, E4M3 as uint8)
@@ -41,10 +41,14 @@ VARIANTS = {
     "stochastic": ("_cast_kernel", {**_BF16, "res_ptr": "*i32"}, {"EF": False, "RES_BF16": False}),
     "error_feedback/float32": ("_cast_kernel", {**_BF16, "res_ptr": "*fp32"}, {"EF": True, "RES_BF16": False}),
     "error_feedback/bfloat16": ("_cast_kernel", {**_BF16, "res_ptr": "*i16"}, {"EF": True, "RES_BF16": True}),
-    "fp8/nearest": ("_fp8_cast_kernel", _FP8, {"MODE": 0, "VIA_BF16": False}),
-    "fp8/nearest_via_bf16": ("_fp8_cast_kernel", _FP8, {"MODE": 0, "VIA_BF16": True}),
-    "fp8/stochastic": ("_fp8_cast_kernel", _FP8, {"MODE": 1, "VIA_BF16": False}),
-    "fp8/error_feedback": ("_fp8_cast_kernel", _FP8, {"MODE": 2, "VIA_BF16": False}),
+    "fp8/nearest": ("_fp8_cast_kernel", _FP8, {"MODE": 0, "VIA_BF16": False, "MUL": False}),
+    "fp8/nearest_via_bf16": ("_fp8_cast_kernel", _FP8, {"MODE": 0, "VIA_BF16": True, "MUL": False}),
+    "fp8/stochastic": ("_fp8_cast_kernel", _FP8, {"MODE": 1, "VIA_BF16": False, "MUL": False}),
+    "fp8/error_feedback": ("_fp8_cast_kernel", _FP8, {"MODE": 2, "VIA_BF16": False, "MUL": False}),
+    # scale rules whose codes multiply (faircast_dist.fp8.ScaleRule: verl's, vLLM's block quantizer)
+    "fp8/nearest_via_bf16_multiply": ("_fp8_cast_kernel", _FP8, {"MODE": 0, "VIA_BF16": True, "MUL": True}),
+    "fp8/stochastic_multiply": ("_fp8_cast_kernel", _FP8, {"MODE": 1, "VIA_BF16": False, "MUL": True}),
+    "fp8/error_feedback_multiply": ("_fp8_cast_kernel", _FP8, {"MODE": 2, "VIA_BF16": False, "MUL": True}),
     "fp8/absmax": ("_fp8_absmax_kernel", _ABSMAX, {"Y": 2}),
 }
 

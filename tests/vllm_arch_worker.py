@@ -241,9 +241,9 @@ def moe_run(arch: str, llm, receiver) -> dict:
 def fp8_served(master: dict[str, torch.Tensor], previous: dict | None, key=None) -> dict[str, torch.Tensor]:
     """What a trainer serves from fp32 ``master``: FP8 per-channel linear weights and their ``weight_scale``
     (sticky over ``previous``; round-to-nearest, or dithered with ``key(name)``), bf16 for the rest."""
-    from faircast_dist.fp8 import Fp8Layout, element_scales, partial_absmax, sticky_scales
+    from faircast_dist.fp8 import ScaleRule, element_scales, partial_absmax
     from faircast_dist.rounding import cast_fp8_nearest, cast_fp8_stochastic
-    layout, out = Fp8Layout("channel"), {}
+    layout, out = ScaleRule("channel"), {}
     for name, x in master.items():
         if not name.endswith("_proj.weight"):
             out[name] = x.to(torch.bfloat16)
@@ -251,7 +251,7 @@ def fp8_served(master: dict[str, torch.Tensor], previous: dict | None, key=None)
         index = layout.scale_index(tuple(x.shape), 0, x.numel()).reshape(x.shape)
         scale_name = name.removesuffix("weight") + "weight_scale"
         old = None if previous is None else previous[scale_name].reshape(-1)
-        scales, _ = sticky_scales(layout, old, partial_absmax(x, index, x.shape[0]))
+        scales, _, _ = layout.next_scales(old, partial_absmax(x, index, x.shape[0]))
         s = element_scales(scales, index)
         out[name] = cast_fp8_nearest(x, s) if key is None else cast_fp8_stochastic(x, s, key(name), 0)
         out[scale_name] = scales.reshape(-1, 1)

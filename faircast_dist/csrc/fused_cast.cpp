@@ -274,8 +274,8 @@ inline int64_t scale_run(const int64_t* row, int64_t g, int64_t n, int64_t& sidx
   return std::min(n, std::min(128 - c % 128, K - c));
 }
 
-// E4M3 code (sign bit 0x80 | magnitude code) of y / s: rounding.py's _scaled then e4m3_round, for a finite
-// scale s > 0 (fused.py checks). Then y finite gives a finite or infinite quotient, saturated at 448 by a min on
+// E4M3 code (sign bit 0x80 | magnitude code) of y / s (or y * s with MUL: a scale rule whose codes multiply,
+// fp8.py's ScaleRule): rounding.py's _scaled then e4m3_round, for a finite factor s > 0 (fused.py checks). Then y finite gives a finite or infinite quotient, saturated at 448 by a min on
 // its magnitude bits, and y not finite gives NaN (0x7f). Where |q| >= 2**-6 the rounding is integer work on the
 // fp32 pattern, as for bf16: code = (bits >> 20) - 960 (4 bits of exponent, 3 of mantissa), ties to even by
 // + 0x7ffff + lsb, stochastic rounding by + r << 4 (it carries iff floor(f * 2**16) + r >= 2**16). Below 2**-6
@@ -283,9 +283,9 @@ inline int64_t scale_run(const int64_t* row, int64_t g, int64_t n, int64_t& sidx
 // |q| to the grid, ties to even (the default rounding mode); stochastic rounding takes floor(|q| * 2**25)
 // (k * 2**16 + floor(f * 2**16), from the significand by a shift: gcc leaves the float form scalar on AVX2)
 // + r, >> 16.
-template <int MODE>
+template <int MODE, bool MUL>
 inline uint32_t e4m3_code(float y, float s, uint32_t r) {
-  const uint32_t qb = f2u(y / s);
+  const uint32_t qb = f2u(MUL ? y * s : y / s);
   const uint32_t ab = std::min(qb & MAG, 0x43e00000u);  // |q| saturated at 448
   const uint32_t normal = MODE == F_STOCHASTIC ? ((ab + (r << 4)) >> 20) - 960u
                                                : ((ab + 0x7ffffu + ((ab >> 20) & 1u)) >> 20) - 960u;
@@ -308,24 +308,35 @@ inline float e4m3_value(uint32_t code) {
   return u2f(sel(m == 0x7fu, 0x7fc00000u, v));
 }
 
-template <int MODE, bool VIA_BF16>
+// n elements sharing one scale: s the served scale, f what y is divided by (or, with MUL, multiplied with);
+// f == s for rules whose codes divide by the scale.
+template <int MODE, bool VIA_BF16, bool MUL>
 void fp8_run(const float* __restrict x, const uint16_t* __restrict r, float* __restrict res, uint8_t* __restrict out,
-             int64_t n, float s) {
+             int64_t n, float s, float f) {
   if (MODE == F_ERROR_FEEDBACK) {
     for (int64_t i = 0; i < n; ++i) {
       const float xi = x[i], e = res[i];
       const bool finite = finite32(xi);
       float y = self(e == 0.0f || !finite, xi, xi + e);  // -0 + 0 would give +0, NaN + e any NaN: the master
       y = self(finite & ((f2u(y) & MAG) == INF), u2f((f2u(y) & SIGN) | 0x7f7fffffu), y);  // saturate at fp32 max
-      const uint32_t code = e4m3_code<F_NEAREST>(y, s, 0);
+      const uint32_t code = e4m3_code<F_NEAREST, MUL>(y, f, 0);
       out[i] = (uint8_t)code;
       res[i] = self(finite, y - e4m3_value(code) * s, e);
     }
   } else if (MODE == F_STOCHASTIC) {
-    for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)e4m3_code<F_STOCHASTIC>(x[i], s, r[i]);
+    for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)e4m3_code<F_STOCHASTIC, MUL>(x[i], f, r[i]);
   } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)e4m3_code<F_NEAREST>(VIA_BF16 ? bf16_value(x[i]) : x[i], s, 0);
+    for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)e4m3_code<F_NEAREST, MUL>(VIA_BF16 ? bf16_value(x[i]) : x[i], f, 0);
   }
+}
+
+template <bool MUL>
+void fp8_run_mode(int64_t mode, bool via_bf16, const float* x, const uint16_t* r, float* res, uint8_t* out, int64_t n,
+                  float s, float f) {
+  if (mode == F_STOCHASTIC) fp8_run<F_STOCHASTIC, false, MUL>(x, r, nullptr, out, n, s, f);
+  else if (mode == F_ERROR_FEEDBACK) fp8_run<F_ERROR_FEEDBACK, false, MUL>(x, nullptr, res, out, n, s, f);
+  else if (via_bf16) fp8_run<F_NEAREST, true, MUL>(x, nullptr, nullptr, out, n, s, f);
+  else fp8_run<F_NEAREST, false, MUL>(x, nullptr, nullptr, out, n, s, f);
 }
 
 // The largest finite |y| of n elements (fp8.py: partial_absmax): y = x, bf16(x) or x + res (Y_*). A max of the
@@ -389,7 +400,7 @@ void fp8_absmax_multi(const std::vector<torch::Tensor>& masters, const std::vect
 
 void cast_fp8_multi(int64_t mode, const std::vector<torch::Tensor>& masters, std::vector<torch::Tensor>& residuals,
                     std::vector<torch::Tensor>& outs, const torch::Tensor& segments, const torch::Tensor& scales,
-                    bool via_bf16) {
+                    bool via_bf16, const torch::Tensor& multipliers) {
   TORCH_CHECK(mode >= F_NEAREST && mode <= F_ERROR_FEEDBACK, "mode must be 0 (nearest), 1 (stochastic), 2 (error feedback)");
   TORCH_CHECK(masters.size() == outs.size(), "masters and outs must be lists of one length");
   TORCH_CHECK(mode != F_ERROR_FEEDBACK || residuals.size() == masters.size(), "error feedback needs one residual per master");
@@ -402,7 +413,12 @@ void cast_fp8_multi(int64_t mode, const std::vector<torch::Tensor>& masters, std
                                  torch::kFloat32, "residuals", &size);
   const Tiles tiles = make_tiles(segments, size, FP8_COLS);
   check_fp8_rows(tiles, segments.size(0), scales.numel());
+  const bool mul = multipliers.numel() > 0;  // codes y * multiplier (else y / scale)
+  TORCH_CHECK(!mul || (multipliers.device().is_cpu() && multipliers.scalar_type() == torch::kFloat32 &&
+                       multipliers.is_contiguous() && multipliers.numel() == scales.numel()),
+              "multipliers must be empty or a contiguous CPU float32 tensor shaped like scales");
   const float* sc = scales.data_ptr<float>();
+  const float* mc = mul ? multipliers.data_ptr<float>() : sc;
   at::parallel_for(0, tiles.total(), 4, [&](int64_t begin, int64_t end) {
     alignas(64) uint32_t words[4 * SUB / 8];
     for (int64_t t = begin; t < end; ++t) {
@@ -425,11 +441,9 @@ void cast_fp8_multi(int64_t mode, const std::vector<torch::Tensor>& masters, std
         }
         for (int64_t c = a, n; c < b; c += n) {  // runs sharing one scale
           n = scale_run(row, g0 + c, b - c, sidx);
-          const float sv = sc[sidx];
-          if (mode == F_STOCHASTIC) fp8_run<F_STOCHASTIC, false>(xs + c, bits + (c - a), nullptr, os + c, n, sv);
-          else if (mode == F_ERROR_FEEDBACK) fp8_run<F_ERROR_FEEDBACK, false>(xs + c, nullptr, rs + c, os + c, n, sv);
-          else if (via_bf16) fp8_run<F_NEAREST, true>(xs + c, nullptr, nullptr, os + c, n, sv);
-          else fp8_run<F_NEAREST, false>(xs + c, nullptr, nullptr, os + c, n, sv);
+          const uint16_t* rb = bits ? bits + (c - a) : nullptr;
+          if (mul) fp8_run_mode<true>(mode, via_bf16, xs + c, rb, rs ? rs + c : nullptr, os + c, n, sc[sidx], mc[sidx]);
+          else fp8_run_mode<false>(mode, via_bf16, xs + c, rb, rs ? rs + c : nullptr, os + c, n, sc[sidx], sc[sidx]);
         }
       }
     }

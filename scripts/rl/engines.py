@@ -228,7 +228,7 @@ class VllmEngine:
 
 def channel_nearest(w: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest E4M3 of fp32 ``w`` ``[N, K]`` with fresh scales of ``layout`` (a channel
-    :class:`faircast_dist.fp8.Fp8Layout`) per output row: ``(float8_e4m3fn [N, K], float32 scale [N, 1])``."""
+    :class:`faircast_dist.fp8.ScaleRule`) per output row: ``(float8_e4m3fn [N, K], float32 scale [N, 1])``."""
     from faircast_dist.rounding import cast_fp8_nearest
     scale = layout.scales(w.abs().amax(1, keepdim=True))
     return cast_fp8_nearest(w, scale.expand_as(w).contiguous()), scale
@@ -242,12 +242,12 @@ def save_checkpoint(model, path: str, fp8: bool = False) -> str:
     from safetensors.torch import save_file
 
     from faircast_dist import ExportCastConfig
-    from faircast_dist.fp8 import Fp8Layout, fp8_param
+    from faircast_dist.fp8 import ScaleRule, fp8_param
     os.makedirs(path, exist_ok=True)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg.update(architectures=[type(model).__name__], dtype="bfloat16", torch_dtype="bfloat16")
-    tensors, config, layout = {}, ExportCastConfig(format="fp8"), Fp8Layout("channel")
+    tensors, config, layout = {}, ExportCastConfig(format="fp8"), ScaleRule("channel")
     for n, p in model.named_parameters():
         w = p.detach().float()
         if fp8 and fp8_param(config, n, tuple(w.shape)):
