@@ -237,6 +237,44 @@ class ScaleRule:
         scales = torch.where(rescaled, fresh, previous)
         return scales, (1.0 / scales if mult is not None else None), rescaled
 
+    def element_scales(self, scales: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """Each element's scale: float32 ``shape`` ``[N, K]`` from ``scales`` (:meth:`scale_shape` of ``shape``)."""
+        n, k = shape
+        return scales.reshape(-1)[self.scale_index((n, k), 0, n * k, device=scales.device)].view(n, k)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round-to-nearest of a whole weight under this rule, with fresh scales: what the stack serves from it (a
+        one-process reference; a shard-aware export is :class:`Fp8Export`).
+
+        Args:
+            weight: ``[N, K]`` bf16 or fp32 (a :attr:`bf16` rule rounds it to bf16 first, as the stack does); for an
+                ``engine_fused`` rule, the engine's fused layer (its parts' rows one after the other).
+
+        Returns:
+            ``(codes, scales)``: float8_e4m3fn ``[N, K]`` and float32 :meth:`scale_shape`.
+        """
+        from faircast_dist.rounding import cast_fp8_nearest
+        shape = tuple(weight.shape)
+        x = weight.float().reshape(-1)
+        y = x.bfloat16().float() if self.bf16 else x
+        index = self.scale_index(shape, 0, x.numel(), device=x.device)
+        count = math.prod(self.scale_shape(shape))
+        scales, mult = self.factors(partial_absmax(y, index, count).view(self.scale_shape(shape)))
+        per = lambda t: t.reshape(-1)[index]  # noqa: E731
+        q = cast_fp8_nearest(x, per(scales), via_bf16=self.bf16, multiplier=None if mult is None else per(mult))
+        return q.view(shape), scales
+
+    def grid(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The served values ``q * s`` as bf16 (``[N, K]``): what a stack quantizing bf16 weights with this rule gets
+        back as ``codes`` and ``scales`` (the grid route), where every group holds a code of ±448, ``s`` is what the
+        rule computes from ``bf16(448 s)`` and ``s`` is above the rule's floors (:meth:`quantize` checks it).
+
+        Args:
+            codes: float8_e4m3fn ``[N, K]``.
+            scales: float32 :meth:`scale_shape` of ``codes.shape``.
+        """
+        return (codes.float() * self.element_scales(scales.float(), tuple(codes.shape))).bfloat16()
+
 
 #: the stacks' quantizers as scale rules (``export_cast.fp8_rule``), each citing what it reproduces; ``nearest``
 #: under one serves, byte for byte, what the stack serves from the same bf16 weights (tests/test_scale_rules.py)

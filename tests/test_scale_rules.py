@@ -158,15 +158,15 @@ def test_the_stacks_quantizer_returns_a_fair_casts_codes_from_its_bf16_values(ru
     served, _ = export(config, masters, steps=2)
     nearest, _ = export({**config, "mode": "nearest", "method": "stochastic"}, masters)
     scale_name = PRESETS[rule].scale_name
+    rule = PRESETS[rule]
     for names in ([DOWN], QKV):
         q = fused_rows(served, names)
         s = torch.cat([served[n[:-len("weight")] + scale_name] for n in names])
-        element = s.repeat_interleave(1, 0) if s.shape[1] == 1 else \
-            s.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)[:, :q.shape[1]]
-        sent = (q.float() * element).bfloat16()
-        q2, s2 = stack(sent)
-        assert torch.equal(bits(q2), bits(q)), f"{names[0]}: {int((bits(q2) != bits(q)).sum())} codes changed"
-        assert torch.equal(bits(s2.reshape(s.shape)), bits(s)), f"{names[0]}: scales changed"
+        sent = rule.grid(q, s) if names == [DOWN] else torch.cat([rule.grid(served[n], served[n[:-6] + scale_name])
+                                                                   for n in names])
+        for q2, s2 in (stack(sent), rule.quantize(sent)):
+            assert torch.equal(bits(q2), bits(q)), f"{names[0]}: {int((bits(q2) != bits(q)).sum())} codes changed"
+            assert torch.equal(bits(s2.reshape(s.shape)), bits(s)), f"{names[0]}: scales changed"
         assert not torch.equal(bits(q), bits(fused_rows(nearest, names))), "the fair cast served nearest's codes"
 
 
