@@ -121,6 +121,13 @@ class ExportCastConfig:
             scales and codes as that stack computes them, so ``mode "nearest"`` serves the stack's bytes (it rounds
             ``bf16(master)``, as the stack does) and a fair method changes only the rounding. It sets the scales:
             ``fp8_scales``, ``fp8_ue8m0`` and ``fp8_via_bf16`` stay unset.
+        fp8_grid: with an ``fp8_rule`` whose scales are recomputed at every export (all but
+            ``"deepseek-ue8m0"``): the model's bf16 params of the FP8 weights hold the served FP8 values
+            ``bf16(q * s)`` after every export, in place of the bf16 cast of the masters, so a stack that
+            quantizes those bf16 params with the rule's quantizer (verl, vLLM online) gets faircast's codes and
+            scales back, bit for bit (the grid route: every group holds a ±448 code, and ``s`` is what the
+            quantizer computes from ``bf16(448 s)``). The trainer then computes with the served FP8 values
+            (trainer == rollout weights), which the install line says.
 
     Raises:
         ConfigError: (a ``ValueError``) naming the field and the bad value; ``.field`` is the field.
@@ -136,6 +143,7 @@ class ExportCastConfig:
     fp8_via_bf16: bool = False
     fp8_exclude: str = FP8_EXCLUDE
     fp8_rule: str | None = None
+    fp8_grid: bool = False
 
     def __post_init__(self):
         if not isinstance(self.mode, str) or self.mode not in MODES:
@@ -158,7 +166,7 @@ class ExportCastConfig:
         if not isinstance(self.fp8_scales, str) or self.fp8_scales not in FP8_SCALES:
             raise ConfigError(f"export_cast.fp8_scales must be one of {FP8_SCALES}, got {self.fp8_scales!r}",
                               "fp8_scales")
-        for field in ("fp8_ue8m0", "fp8_via_bf16"):
+        for field in ("fp8_ue8m0", "fp8_via_bf16", "fp8_grid"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"export_cast.{field} must be true or false, got {getattr(self, field)!r}", field)
         try:
@@ -177,8 +185,12 @@ class ExportCastConfig:
                     raise ConfigError(f"export_cast.{field} is set but fp8_rule {self.fp8_rule!r} sets the scales "
                                       f"(and rounds bf16 under \"nearest\", as the stack does): leave {field} unset",
                                       field)
+        if self.fp8_grid and (self.fp8_rule is None or self.scale_rule.sticky):
+            raise ConfigError(f"export_cast.fp8_grid needs an fp8_rule whose scales are recomputed at every export "
+                              f"(a stack's quantizer), got fp8_rule {self.fp8_rule!r}: sticky scales keep groups "
+                              f"whose largest code is below 448, which the stack would rescale", "fp8_grid")
         if self.format != "fp8":
-            for field in ("fp8_scales", "fp8_ue8m0", "fp8_via_bf16", "fp8_exclude", "fp8_rule"):
+            for field in ("fp8_scales", "fp8_ue8m0", "fp8_via_bf16", "fp8_exclude", "fp8_rule", "fp8_grid"):
                 if getattr(self, field) != default[field].default:
                     raise ConfigError(f"export_cast.{field} is set but format is {str(self.format)!r}: give "
                                       f"format \"fp8\" to serve FP8 weights", field)

@@ -49,8 +49,11 @@ def fp8_note(state: "ExportState") -> str:
         return ""
     rounding = "round-to-nearest via bf16" if state.config.fp8_round_bf16 else str(state.method)
     rule = "" if fp8.rule.name == "faircast" else f"fp8_rule {fp8.rule.name!r}: "
+    grid = ("; the bf16 params of those weights hold the served FP8 values (fp8_grid): the trainer computes with "
+            "them" if state.config.fp8_grid else "")
     return (f"; FP8 E4M3 served weights for {len(fp8.shapes)} params ({rule}{fp8.rule.granularity} scales"
-            f"{', UE8M0' if fp8.rule.ue8m0 else ''}{'' if fp8.rule.sticky else ', recomputed each export'}, {rounding})")
+            f"{', UE8M0' if fp8.rule.ue8m0 else ''}{'' if fp8.rule.sticky else ', recomputed each export'}, {rounding})"
+            f"{grid}")
 
 
 class Residuals(enum.Enum):
@@ -342,8 +345,16 @@ class ExportState:
         shards = self.fp8_shards(shards)
         pieces = lambda: self.fp8_pieces(shards)  # noqa: E731  (called only by an observer that measures)
         self.telemetry.fp8_begin(self.fp8, pieces)
-        self.fp8.export(shards, self.reduce_max)
+        self._cast_fp8(shards)
         self.telemetry.fp8(self.fp8, pieces)
+
+    def _cast_fp8(self, shards: Sequence[Shard], cast: bool = True) -> None:
+        """The FP8 cast of ``shards`` (with their FP8 buffers; collective), and with ``fp8_grid`` the served values
+        into their bf16 ``out`` (``cast`` False: only that, for bits taken from a checkpoint)."""
+        if cast:
+            self.fp8.export(shards, self.reduce_max)
+        if self.config.fp8_grid:
+            self.fp8.grid_into(shards)
 
     def full_fp8(self, shards: Sequence[Shard]) -> dict[str, torch.Tensor]:
         """``format "fp8"``: ``{name: float8_e4m3fn full tensor}`` of the FP8 params, what the last export cast
@@ -477,8 +488,9 @@ class ExportState:
         if snapshot.served is not None:
             for s in shards:
                 _take(s.out, snapshot.served, s.key, "served value")
+        fp8 = self._restore_fp8(snapshot, shards)  # (fp8_grid: into what is served, before it is kept)
         self.keep_served(shards)
-        return Restored(rule, self._restore_fp8(snapshot, shards), snapshot.served is not None)
+        return Restored(rule, fp8, snapshot.served is not None)
 
     def _restore_fp8(self, snapshot: ExportSnapshot, shards: Sequence[Shard]) -> Fp8Restore | None:
         """:meth:`restore`'s FP8 part (see there)."""
@@ -511,8 +523,7 @@ class ExportState:
         if bits:
             for s in held:
                 _take(s.fp8, snapshot.fp8, s.key, "FP8 bits")
-        else:
-            self.fp8.export(shards, self.reduce_max)
+        self._cast_fp8(shards, cast=not bits)
         return fp8
 
     def _fp8_afresh(self, shards: Sequence[Shard]) -> None:
@@ -522,7 +533,7 @@ class ExportState:
         for s in shards:
             if s.fp8_residual is not None:
                 s.fp8_residual.zero_()
-        self.fp8.export(shards, self.reduce_max)
+        self._cast_fp8(shards)
 
     @torch.no_grad()
     def restart(self, shards: Sequence[Shard], step: int | None = None) -> None:
@@ -535,10 +546,10 @@ class ExportState:
             residual = self._residual(s, create=False)  # (none yet: it starts at zero)
             if residual is not None:
                 residual.zero_()
+        if self.fp8 is not None:
+            self._fp8_afresh(shards)  # (fp8_grid: into what is served, before it is kept)
         self.keep_served(shards)
         self.telemetry.reset()
-        if self.fp8 is not None:
-            self._fp8_afresh(shards)
 
 
 def _take(target: torch.Tensor, saved: dict, key: Hashable, what: str) -> None:

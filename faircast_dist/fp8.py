@@ -656,6 +656,22 @@ class Fp8Export:
                        backend=backend, multipliers=mult)
 
     @torch.no_grad()
+    def grid_into(self, shards) -> None:
+        """Write the served FP8 values ``bf16(q * s)`` of the last export into the ``out`` (bf16) of ``shards``' FP8
+        runs (``fp8_grid``; :meth:`ScaleRule.grid`), element by element: exact where a shard cuts a row or block.
+
+        Args:
+            shards: as for :meth:`export`, after it.
+        """
+        flat, offsets = None, self.scale_offsets()
+        for s, start, numel, index, name in self._runs(shards):
+            flat = self.flat_scales(s.master.device) if flat is None else flat
+            g = torch.arange(index, index + numel, dtype=torch.int64, device=s.master.device)
+            scale = flat[offsets[name] + self.rule.scale_index(self.shapes[name], g)]
+            q = s.fp8.narrow(0, start, numel).view(torch.float8_e4m3fn).float()
+            s.out.narrow(0, start, numel).copy_((q * scale).to(torch.bfloat16))
+
+    @torch.no_grad()
     def full(self, shards, reduce_max) -> dict[str, torch.Tensor]:
         """The whole FP8 params: ``{name: float8_e4m3fn [N, K]}`` on the CPU, bit for bit what the ranks cast (a
         fused param in its own row order; fused experts ``[E, N, K]``).

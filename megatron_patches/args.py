@@ -10,6 +10,7 @@
     --[no-]export-cast-fp8-via-bf16                  default off (round-to-nearest via bf16: the stacks')
     --export-cast-fp8-exclude REGEX                  default: embeddings, output layer, norms, routers
     --export-cast-fp8-rule {verl,vllm-fp8-per-channel,...}  default none (faircast's scales; a stack's quantizer)
+    --[no-]export-cast-fp8-grid                      default off (the bf16 params hold the served FP8 values)
     --[no-]export-cast-telemetry                     default on (with --tensorboard-dir / --wandb-project)
 
 Under ``faircast-run`` the defaults of all but the last are ``FAIRCAST_EXPORT_CAST``'s: a flag given on
@@ -30,7 +31,7 @@ FLAGS = {"mode": "--export-cast", "method": "--export-cast-method", "seed": "--e
          "residual_dtype": "--export-cast-residual-dtype", "format": "--export-cast-format",
          "fp8_scales": "--export-cast-fp8-scales", "fp8_ue8m0": "--export-cast-fp8-ue8m0",
          "fp8_via_bf16": "--export-cast-fp8-via-bf16", "fp8_exclude": "--export-cast-fp8-exclude",
-         "fp8_rule": "--export-cast-fp8-rule"}  # field -> flag
+         "fp8_rule": "--export-cast-fp8-rule", "fp8_grid": "--export-cast-fp8-grid"}  # field -> flag
 
 
 def add_export_cast_args(parser: argparse.ArgumentParser,
@@ -91,6 +92,10 @@ def add_export_cast_args(parser: argparse.ArgumentParser,
                             "--export-cast nearest the stack's own bytes, with a fair method the stack's scales "
                             "and fair rounding. Sets the scales: leave --export-cast-fp8-scales/-ue8m0/-via-bf16 "
                             "unset.")
+    group.add_argument("--export-cast-fp8-grid", action=argparse.BooleanOptionalAction, default=defaults.fp8_grid,
+                       help="With --export-cast-fp8-rule (recomputed scales): every export writes the served FP8 "
+                            "values bf16(q * s) into the bf16 params of the FP8 weights, so the stack's own "
+                            "quantizer gets faircast's codes back; the trainer then computes with them.")
     group.add_argument("--export-cast-telemetry", action=argparse.BooleanOptionalAction, default=True,
                        help="With --export-cast fair and --tensorboard-dir or --wandb-project: log "
                             "export-cast/{changed-fraction,lag-steps,gap-ulps,export-ms} at every "

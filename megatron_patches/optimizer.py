@@ -561,6 +561,8 @@ def install(optimizer, model_chunks, *, config, telemetry: bool = False,
     if config.fp8:  # the initial model's FP8 copy, served until the first step (collective, leaf by leaf)
         for export in exports:
             export.state.export_fp8(export.operands())
+        if config.fp8_grid:  # each rank wrote the served FP8 values into its shard of the param buffers: gather them
+            _param_sync(model_chunks)
         if exports:
             exports[0].wraps.on_uninstall(functools.partial(_set_fp8_exports, model_chunks, None))
             _set_fp8_exports(model_chunks, exports)
@@ -619,6 +621,15 @@ def _fused(config, shapes: dict | None, model_config) -> dict:
         return {}
     fused = {n: fused_rows(n, shape, model_config) for n, shape in shapes.items() if fp8_param(config, n, tuple(shape))}
     return {n: f for n, f in fused.items() if f is not None}
+
+
+def _param_sync(model_chunks) -> None:
+    """All-gather the bf16 param buffers of a distributed optimizer's model chunks now (what megatron-core's
+    ``DistributedDataParallel.start_param_sync(force_sync=True)`` does after a step); nothing without one."""
+    for chunk in model_chunks:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is not None and ddp.use_distributed_optimizer:
+            chunk.start_param_sync(force_sync=True)
 
 
 def _print_rank_0(message: str) -> None:

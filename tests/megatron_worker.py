@@ -304,12 +304,15 @@ def reference_mismatch(config, step, snap, prev_residual):
 
 def fp8_snapshot(model, optimizer, step: int) -> dict:
     """FP8 served weights (``format "fp8"``): what ``megatron_patches.served_weights`` yields that is not bf16 (the
-    FP8 params and their scales), and every param's gathered master by canonical name (collective)."""
+    FP8 params and their scales), and every param's gathered master and bf16 param of an FP8 weight (``params``)
+    by canonical name (collective)."""
     import megatron_patches
     served = {n: t.clone() for n, t in megatron_patches.served_weights(model) if t.dtype != torch.bfloat16}
     snap = snapshot(model, optimizer, False)
     return {"step": step, "served": served,
-            "masters": {name: snap["master"][key][index].clone() for key, name, index in params_of(snap)}}
+            "masters": {name: snap["master"][key][index].clone() for key, name, index in params_of(snap)},
+            "params": {name: snap["served"][key][index].view(torch.bfloat16).clone()
+                       for key, name, index in params_of(snap) if name in served}}
 
 
 def set_state(model, optimizer, seed: int):

@@ -21,7 +21,7 @@ import ds_worker
 import fsdp_worker
 import megatron_worker
 from faircast_dist import ExportCastConfig
-from helpers import bits, reference_fp8, reference_fp8_fused
+from helpers import bits, checkpoint_parts, reference_fp8, reference_fp8_fused
 
 EF = {"mode": "fair", "method": "error_feedback"}
 CONFIGS = {"error_feedback": {**EF, "format": "fp8"},
@@ -31,7 +31,10 @@ CONFIGS = {"error_feedback": {**EF, "format": "fp8"},
            # the stacks' quantizers (faircast_dist.fp8.PRESETS): recomputed block scales with codes multiplied
            # (verl's), a tensor scale and round-to-nearest of bf16(master) (vLLM's online per-tensor)
            "verl_dithered": {"mode": "fair", "method": "dithered", "seed": 7, "format": "fp8", "fp8_rule": "verl"},
-           "vllm_per_tensor_nearest": {"mode": "nearest", "format": "fp8", "fp8_rule": "vllm-fp8-per-tensor"}}
+           "vllm_per_tensor_nearest": {"mode": "nearest", "format": "fp8", "fp8_rule": "vllm-fp8-per-tensor"},
+           # ... and the grid route: the bf16 params hold the served FP8 values
+           "verl_grid": {"mode": "fair", "method": "stochastic", "seed": 7, "format": "fp8", "fp8_rule": "verl",
+                         "fp8_grid": True}}
 SAVED = ("error_feedback", "stochastic_ue8m0")  # their runs save a checkpoint after SAVE_AFTER steps
 SWITCHED = {**CONFIGS["error_feedback"], "fp8_ue8m0": True}  # loads stochastic_ue8m0's checkpoint
 STEPS, SAVE_AFTER = 4, 2
@@ -135,6 +138,31 @@ def test_fp8_served_weights_are_the_reference_cast_of_the_gathered_masters(adapt
     assert not any("embed" in n or "norm" in n for n in snaps[0]["served"]), sorted(snaps[0]["served"])
     for k, (snap, want) in enumerate(zip(snaps, reference(name, CONFIGS[config], snaps))):
         assert_same(snap["served"], want, f"{name} {config} export {k}")
+
+
+def test_with_fp8_grid_verls_quantizer_returns_the_served_codes_from_the_bf16_params(adapter):
+    """``fp8_grid`` under verl's rule: at install and after every step, verl's own quantizer given the gathered bf16
+    params returns the FP8 codes and scales faircast serves (which are the reference cast, above); a Megatron param
+    fused from checkpoint tensors is quantized per tensor, as a stack converting it to HF does. FSDP2's bf16 params
+    exist only inside its forward: that adapter is checked on the served FP8 only."""
+    name, runs = adapter
+    if name == "fsdp2":
+        pytest.skip("FSDP2 unshards its bf16 params only inside the forward (the same core writes them)")
+    from test_scale_rules import verl_quantizer
+    quantizer = verl_quantizer()
+    snaps = runs["train/verl_grid"]["fp8"]
+    for k, snap in enumerate(snaps):
+        weights = [n for n, t in snap["served"].items() if t.dtype == torch.float8_e4m3fn]
+        assert weights and sorted(snap["params"]) == sorted(weights)
+        for n in weights:
+            param, served = snap["params"][n].reshape(snap["served"][n].shape), snap["served"][n]
+            parts = (checkpoint_parts(n, param, 4, 4) if name == "megatron" else None) or [param]
+            got = [quantizer(p, [128, 128]) for p in parts]
+            want = (checkpoint_parts(n, served, 4, 4) if name == "megatron" else None) or [served]
+            scales = snap["served"][n[:-len("weight")] + "weight_scale_inv"]
+            assert all(torch.equal(bits(q), bits(w)) for (q, _), w in zip(got, want)), f"{name} export {k}: {n}"
+            assert torch.equal(bits(torch.cat([s.reshape(-1, scales.shape[1]) for _, s in got])), bits(scales)), \
+                f"{name} export {k}: {n} scales"
 
 
 def test_every_export_draws_fresh_bits(adapter):

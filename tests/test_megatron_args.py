@@ -50,7 +50,11 @@ def test_fp8_flags_parse_into_the_shared_config_and_name_themselves():
         parser.parse_args("--export-cast-fp8-scales row".split())
     args = parser.parse_args("--bf16 --export-cast fair --export-cast-method dithered --export-cast-format fp8 "
                              "--export-cast-fp8-rule vllm-fp8-per-channel".split())
-    assert config_from_args(args).scale_rule.name == "vllm-fp8-per-channel"
+    assert config_from_args(args).scale_rule.name == "vllm-fp8-per-channel" and not config_from_args(args).fp8_grid
+    assert config_from_args(parser.parse_args("--bf16 --export-cast-format fp8 --export-cast-fp8-rule verl "
+                                              "--export-cast-fp8-grid".split())).fp8_grid
+    with pytest.raises(ValueError, match="--export-cast-fp8-grid: .*needs an fp8_rule"):
+        config_from_args(parser.parse_args("--bf16 --export-cast-format fp8 --export-cast-fp8-grid".split()))
     with pytest.raises(ValueError, match="--export-cast-fp8-scales: .*fp8_rule 'verl' sets the scales"):
         config_from_args(parser.parse_args("--bf16 --export-cast-format fp8 --export-cast-fp8-rule verl "
                                            "--export-cast-fp8-scales block".split()))

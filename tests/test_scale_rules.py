@@ -4,6 +4,7 @@ byte for byte, what the stack's own function serves from the same bf16 weights (
 where nothing runs here), through the whole export (fused kernel, absmax, scales, multipliers); the fair methods
 take the same rule and serve codes that the stack's quantizer, given ``bf16(q * s)``, returns unchanged."""
 import importlib.util
+import itertools
 import os
 
 import pytest
@@ -218,3 +219,46 @@ def test_the_install_line_names_the_rule():
     from faircast_dist.export import fp8_note
     state = ExportState({"mode": "nearest", "format": "fp8", "fp8_rule": "verl"}, shapes=SHAPES)
     assert "fp8_rule 'verl': block scales, recomputed each export, round-to-nearest via bf16" in fp8_note(state)
+
+
+@pytest.mark.parametrize("method", ["dithered", "error_feedback"])
+def test_fp8_grid_puts_the_served_values_in_the_bf16_params(method):
+    """``fp8_grid``: after every export the bf16 params of the FP8 weights hold ``bf16(q * s)`` (shards cutting rows
+    and blocks included), and verl's own quantizer, given them, returns faircast's codes and scales; the other params
+    are what they are without ``fp8_grid``."""
+    masters = {**masters_of(4), "model.norm.weight": torch.randn(200)}
+    shapes = {n: tuple(m.shape) for n, m in masters.items()}
+    config = {"mode": "fair", "method": method, "format": "fp8", "fp8_rule": "verl", "seed": 3}
+    states = {grid: ExportState({**config, "fp8_grid": grid}, shapes=shapes) for grid in (True, False)}
+    pieces, outs = {True: [], False: []}, {True: {}, False: {}}
+    for grid, n in itertools.product((True, False), masters):  # two shards per param, cut inside a row and a block
+        flat, cut = masters[n].reshape(-1), masters[n].numel() // 2 + 37
+        out = outs[grid][n] = torch.empty(flat.numel(), dtype=torch.bfloat16)
+        pieces[grid] += [Shard((n, 0), flat[:cut], out[:cut], [(n, 0, cut, 0)]),
+                         Shard((n, 1), flat[cut:], out[cut:], [(n, 0, flat.numel() - cut, cut)])]
+    quantizer, rule = verl_quantizer(), PRESETS["verl"]
+    for step in range(2):
+        for grid in (True, False):
+            states[grid].export(pieces[grid])
+        full = states[True].full_fp8(pieces[True])
+        for n in full:
+            q, s = full[n], states[True].fp8.scales[n]
+            params = outs[True][n].view(shapes[n])
+            assert torch.equal(bits(params), bits(rule.grid(q, s))), f"export {step}: {n}"
+            q2, s2 = quantizer(params, [128, 128])
+            assert torch.equal(bits(q2), bits(q)) and torch.equal(bits(s2.reshape(s.shape)), bits(s)), n
+            assert not torch.equal(bits(params), bits(outs[False][n].view(shapes[n]))), n
+        assert torch.equal(bits(outs[True]["model.norm.weight"]), bits(outs[False]["model.norm.weight"]))
+        for m in masters.values():
+            m.add_(torch.randn(m.shape) * 1e-3)
+
+
+def test_fp8_grid_needs_a_recomputed_rule_and_says_so():
+    from faircast_dist.export import fp8_note
+    for rule in (None, "deepseek-ue8m0"):
+        with pytest.raises(ConfigError, match="fp8_grid needs an fp8_rule whose scales are recomputed") as err:
+            ExportCastConfig(format="fp8", fp8_rule=rule, fp8_grid=True)
+        assert err.value.field == "fp8_grid"
+    state = ExportState({"mode": "nearest", "format": "fp8", "fp8_rule": "verl", "fp8_grid": True}, shapes=SHAPES)
+    assert "the bf16 params of those weights hold the served FP8 values (fp8_grid): the trainer computes with them" \
+        in fp8_note(state)
