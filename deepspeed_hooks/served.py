@@ -23,7 +23,7 @@ from faircast_dist.config import STATE_KEY
 from faircast_dist.delta import DeltaTracker, index_dtype
 
 
-def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, torch.Tensor]]:
+def served_weights(engine, bucket_bytes: int = 1 << 28, grid: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, bf16 tensor of the param's full shape)`` for every param of the model.
 
     Under ZeRO-3 params are gathered a bucket at a time (at most ``bucket_bytes`` of bf16 plus
@@ -38,11 +38,14 @@ def served_weights(engine, bucket_bytes: int = 1 << 28) -> Iterator[tuple[str, t
     Args:
         engine: an initialized DeepSpeed engine.
         bucket_bytes: ZeRO-3 gather bucket size in bytes (default 256 MiB).
+        grid: with ``format "fp8"`` and an ``fp8_rule`` of recomputed scales: each FP8 param as bf16, its served
+            FP8 values ``bf16(q * s)``, for an engine that quantizes bf16 itself (vLLM's online quantization): its
+            quantizer returns faircast's codes (:meth:`faircast_dist.fp8.Fp8Export.grid`; ValueError otherwise).
     """
     export = getattr(engine.optimizer, STATE_KEY, None)
     if export is not None and export.state.fp8 is not None:
         full = export.state.full_fp8(export.shards())
-        yield from export.state.fp8.served(_served_bf16(engine, bucket_bytes), full)
+        yield from export.state.fp8.served(_served_bf16(engine, bucket_bytes), full, grid=grid)
         return
     yield from _served_bf16(engine, bucket_bytes)
 

@@ -697,16 +697,43 @@ class Fp8Export:
             full[name] = full[name].view(shape)
         return full
 
-    def served(self, weights, full: dict[str, torch.Tensor]):
+    def grid(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The served FP8 values ``bf16(q * s)`` of :meth:`full`'s params, shaped and ordered as served (a fused
+        param in its own row order, each element with its stack's scale): what a stack quantizing bf16 weights with
+        :attr:`rule` turns back into these codes and scales (:meth:`ScaleRule.grid`, the grid route).
+
+        Raises:
+            ValueError: :attr:`rule` keeps sticky scales (a group whose largest code fell below 448 would be
+                rescaled by a stack recomputing it).
+        """
+        if self.rule.sticky:
+            raise ValueError(f"export_cast FP8: the grid route needs an fp8_rule whose scales are recomputed at every "
+                             f"export; this one ({self.rule.name!r}) keeps sticky scales")
+        out = {}
+        for name, q in full.items():
+            shape = self.shapes[name]  # as cast: a fused param's stack, experts [E*N, K]
+            scale = self.rule.element_scales(self.scales[name].cpu(), shape)
+            if name in self.fused:
+                scale = scale[self.fused[name].stack_row_of()]
+            out[name] = (q.float().reshape(scale.shape) * scale).to(torch.bfloat16).view(q.shape)
+        return out
+
+    def served(self, weights, full: dict[str, torch.Tensor], grid: bool = False):
         """``weights`` (``(name, bf16 tensor)`` pairs, an adapter's bf16 served weights; the tensor may be a
         callable returning it, called only for bf16 params) with each FP8 param replaced by
         ``(name, float8_e4m3fn [N, K])`` and ``(scale name, float32 scales)`` (:meth:`scale_name`): the tensors
         of a compressed-tensors / DeepSeek FP8 checkpoint. A fused param (block scales) is served in its own row
         order with its stack's scales, ``[sum over parts of ceil(N_part / 128), ceil(K / 128)]``: each checkpoint
         tensor's ``weight_scale_inv``, one after the other. Fused experts ``[E, N, K]`` are served 3-D, their scales
-        ``[E, ., .]`` (``[E, N, 1]``; blocks: each expert's checkpoint tensors' ``weight_scale_inv`` in turn)."""
+        ``[E, ., .]`` (``[E, N, 1]``; blocks: each expert's checkpoint tensors' ``weight_scale_inv`` in turn).
+
+        ``grid``: each FP8 param as ``(name, bf16 [N, K])`` of its served values instead (:meth:`grid`), for an
+        engine or stack that quantizes bf16 weights itself (vLLM's online quantization)."""
+        values = self.grid(full) if grid else None
         for name, weight in weights:
-            if name in full:
+            if name in full and grid:
+                yield name, values[name]
+            elif name in full:
                 yield name, full[name]
                 scales = self.scales[name].cpu()
                 yield self.scale_name(name), scales.view(self.experts[name][0], -1, scales.shape[1]) \

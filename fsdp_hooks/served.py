@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from faircast_dist.delta import DeltaTracker
 
 
-def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def served_weights(model: torch.nn.Module, grid: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, bf16 tensor of the param's full shape)`` for every param once, in
     ``model.named_parameters()`` order:
     exactly the bits this step's forward computes with.
@@ -24,6 +24,9 @@ def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
     Args:
         model: a ``fully_shard``-ed model with :func:`fsdp_hooks.install` done.
+        grid: with ``format "fp8"`` and an ``fp8_rule`` of recomputed scales: each FP8 param as bf16, its served
+            FP8 values ``bf16(q * s)``, for an engine that quantizes bf16 itself (vLLM's online quantization): its
+            quantizer returns faircast's codes (:meth:`faircast_dist.fp8.Fp8Export.grid`; ValueError otherwise).
 
     Raises:
         ValueError: Fair Cast is not installed on ``model``.
@@ -37,7 +40,7 @@ def served_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield name, shard.full_tensor()
         return
     full = export.state.full_fp8(export.shards())
-    yield from export.state.fp8.served(((name, shard.full_tensor) for name, shard in shards.items()), full)
+    yield from export.state.fp8.served(((name, shard.full_tensor) for name, shard in shards.items()), full, grid=grid)
 
 
 def served_shards(model: torch.nn.Module) -> dict[str, DTensor]:

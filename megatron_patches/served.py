@@ -12,7 +12,7 @@ from megatron_patches.gather import gather_full
 from megatron_patches.optimizer import FP8_EXPORTS
 
 
-def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def served_weights(model, grid: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, bf16 tensor of the param's full shape)`` for every param once, in sorted name
     order, on every rank: exactly the bits the model computes with after the optimizer step.
 
@@ -37,6 +37,9 @@ def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 
     Args:
         model: this rank's model chunk or list of chunks (DDP-wrapped, any TP/PP/DP layout).
+        grid: with ``format "fp8"`` and an ``fp8_rule`` of recomputed scales: each FP8 param as bf16, its served
+            FP8 values ``bf16(q * s)``, for an engine that quantizes bf16 itself (vLLM's online quantization): its
+            quantizer returns faircast's codes (:meth:`faircast_dist.fp8.Fp8Export.grid`; ValueError otherwise).
     """
     chunks = model if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
@@ -47,7 +50,7 @@ def served_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     fulls = [export.full_fp8() for export in exports or ()]
     weights = iter(gather_full(list(chunks), lambda p: p.detach(), dst=None).items())
     for export, full in zip(exports or (), fulls):
-        weights = export.state.fp8.served(weights, full)
+        weights = export.state.fp8.served(weights, full, grid=grid)
     yield from weights
 
 

@@ -221,9 +221,11 @@ def _train(rank, world_size, port, opts) -> dict:
         shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}
         fp8 = {n: t.to("cpu", copy=True) for n, t in served_weights(engine) if t.dtype != torch.bfloat16}
         params = gathered(engine.module)  # the bf16 params of the FP8 weights too
-        record.setdefault("fp8", []).append({"step": step, "served": fp8,
-                                             "masters": {n: master[n].view(shapes[n]) for n in master},
-                                             "params": {n: params[n].view(shapes[n]) for n in fp8 if n in params}})
+        snap = {"step": step, "served": fp8, "masters": {n: master[n].view(shapes[n]) for n in master},
+                "params": {n: params[n].view(shapes[n]) for n in fp8 if n in params}}
+        if not export.state.fp8.rule.sticky:  # the grid route's bf16 (served_weights(grid=True))
+            snap["grid"] = {n: t.to("cpu", copy=True) for n, t in served_weights(engine, grid=True) if n in snap["params"]}
+        record.setdefault("fp8", []).append(snap)
 
     prev = record["start"] = snapshot()
     fp8_snapshot(prev[1], export.state.step if export else 0)  # install (or the load): the first export

@@ -144,6 +144,9 @@ def snapshot(model) -> dict:
     if export is not None:
         served = [(n, w.clone()) for n, w in fsdp_hooks.served_weights(model)]
         record["served"], record["served_names"] = dict(served), [n for n, _ in served]
+        if export.state.fp8 is not None and not export.state.fp8.rule.sticky:  # the grid route's bf16 (served_weights(grid=True))
+            record["grid"] = {n: w.clone() for n, w in fsdp_hooks.served_weights(model, grid=True)
+                              if dict(served)[n].dtype == torch.float8_e4m3fn}
         record["shards_full"] = {n: full(t) for n, t in fsdp_hooks.served_shards(model).items()}
         record["step"] = export.caster.step
         if export.residuals is not None:

@@ -309,10 +309,13 @@ def fp8_snapshot(model, optimizer, step: int) -> dict:
     import megatron_patches
     served = {n: t.clone() for n, t in megatron_patches.served_weights(model) if t.dtype != torch.bfloat16}
     snap = snapshot(model, optimizer, False)
-    return {"step": step, "served": served,
-            "masters": {name: snap["master"][key][index].clone() for key, name, index in params_of(snap)},
-            "params": {name: snap["served"][key][index].view(torch.bfloat16).clone()
-                       for key, name, index in params_of(snap) if name in served}}
+    out = {"step": step, "served": served,
+           "masters": {name: snap["master"][key][index].clone() for key, name, index in params_of(snap)},
+           "params": {name: snap["served"][key][index].view(torch.bfloat16).clone()
+                      for key, name, index in params_of(snap) if name in served}}
+    if not exports(optimizer)[0].state.fp8.rule.sticky:  # the grid route's bf16 (served_weights(grid=True))
+        out["grid"] = {n: t.clone() for n, t in megatron_patches.served_weights(model, grid=True) if n in out["params"]}
+    return out
 
 
 def set_state(model, optimizer, seed: int):

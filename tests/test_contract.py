@@ -6,7 +6,8 @@ reference of docs/design.md (``helpers.reference_fp8``: the spec functions on wh
   masters, for every method and scale layout, and under the stacks' scale rules;
 * every export draws fresh bits: stochastic rounding of unchanged masters differs between the install-time export
   and each step's (they once shared step 0's key in DeepSpeed and Megatron);
-* resume == uninterrupted (error feedback: the FP8 bits, sticky scales and FP8 residuals come back);
+* resume == uninterrupted (error feedback: the FP8 bits, sticky scales and FP8 residuals come back; a stack's
+  rule with ``fp8_grid``: the bf16 params too);
 * a bf16-only checkpoint sets the FP8 scales afresh from the loaded masters, with its warning;
 * switching to error feedback keeps a checkpoint's FP8 scales and starts the FP8 residuals at zero, warned.
 
@@ -35,7 +36,7 @@ CONFIGS = {"error_feedback": {**EF, "format": "fp8"},
            # ... and the grid route: the bf16 params hold the served FP8 values
            "verl_grid": {"mode": "fair", "method": "stochastic", "seed": 7, "format": "fp8", "fp8_rule": "verl",
                          "fp8_grid": True}}
-SAVED = ("error_feedback", "stochastic_ue8m0")  # their runs save a checkpoint after SAVE_AFTER steps
+SAVED = ("error_feedback", "stochastic_ue8m0", "verl_grid")  # their runs save a checkpoint after SAVE_AFTER steps
 SWITCHED = {**CONFIGS["error_feedback"], "fp8_ue8m0": True}  # loads stochastic_ue8m0's checkpoint
 STEPS, SAVE_AFTER = 4, 2
 ADAPTERS = ("deepspeed", "megatron", "fsdp2")
@@ -51,6 +52,8 @@ def _deepspeed(tmp) -> dict:
     jobs["fresh"] = dict(export_cast=CONFIGS["stochastic_ue8m0"], steps=2, lr=0.0)  # the masters stay as they are
     jobs["resume"] = dict(export_cast=CONFIGS["error_feedback"], steps=STEPS - SAVE_AFTER,
                           load_dir=str(tmp / "error_feedback"))
+    jobs["resume/verl_grid"] = dict(export_cast=CONFIGS["verl_grid"], steps=STEPS - SAVE_AFTER,
+                                    load_dir=str(tmp / "verl_grid"))
     jobs["from_bf16"] = dict(export_cast=CONFIGS["error_feedback"], steps=1, load_dir=str(tmp / "bf16"))
     jobs["ef_from_sr"] = dict(export_cast=SWITCHED, steps=1, load_dir=str(tmp / "stochastic_ue8m0"))
     records = ds_worker.run_jobs(2, [dict(path="zero3", **j) for j in jobs.values()])
@@ -69,7 +72,8 @@ def _megatron(tmp) -> dict:
     def resume(saved, steps, config=CONFIGS["error_feedback"]):
         return dict(base, export_cast=config, steps=steps, first=SAVE_AFTER, load=str(tmp / saved))
     jobs.update({"resume": resume("error_feedback", STEPS - SAVE_AFTER), "from_bf16": resume("bf16", 1),
-                 "ef_from_sr": resume("stochastic_ue8m0", 1, SWITCHED)})
+                 "ef_from_sr": resume("stochastic_ue8m0", 1, SWITCHED),
+                 "resume/verl_grid": resume("verl_grid", STEPS - SAVE_AFTER, CONFIGS["verl_grid"])})
     jobs["fresh"] = dict(base, export_cast=CONFIGS["stochastic_ue8m0"], exports=2)  # the masters, exported again
     records = megatron_worker.run(1, 1, 2, jobs)
     for job, record in records.items():
@@ -88,7 +92,8 @@ def _fsdp2(tmp) -> dict:
     def resume(saved, steps, config=CONFIGS["error_feedback"]):
         return {"fn": "resume", "export_cast": config, "dir": str(tmp / saved), "steps": steps, "first": SAVE_AFTER}
     jobs.update({"resume": resume("error_feedback", STEPS - SAVE_AFTER), "from_bf16": resume("bf16", 1),
-                 "ef_from_sr": resume("stochastic_ue8m0", 1, SWITCHED)})
+                 "ef_from_sr": resume("stochastic_ue8m0", 1, SWITCHED),
+                 "resume/verl_grid": resume("verl_grid", STEPS - SAVE_AFTER, CONFIGS["verl_grid"])})
     jobs["fresh"] = {"fn": "train", "export_cast": CONFIGS["stochastic_ue8m0"], "steps": 2, "lr": 0.0}
     out = {}
     for job, record in zip(jobs, fsdp_worker.run(2, [{**spec, "id": name} for name, spec in jobs.items()])):
@@ -96,7 +101,7 @@ def _fsdp2(tmp) -> dict:
         if "steps" in record:
             snaps = record["steps"] + [record["final"]]
             out[job] = {"warnings": record.get("warnings", []), "fp8": [
-                {"step": s["step"], "masters": s["masters"],
+                {"step": s["step"], "masters": s["masters"], **({"grid": s["grid"]} if "grid" in s else {}),
                  "served": {n: t for n, t in s["served"].items() if t.dtype != torch.bfloat16}} for s in snaps]}
     return out
 
@@ -140,29 +145,34 @@ def test_fp8_served_weights_are_the_reference_cast_of_the_gathered_masters(adapt
         assert_same(snap["served"], want, f"{name} {config} export {k}")
 
 
-def test_with_fp8_grid_verls_quantizer_returns_the_served_codes_from_the_bf16_params(adapter):
-    """``fp8_grid`` under verl's rule: at install and after every step, verl's own quantizer given the gathered bf16
-    params returns the FP8 codes and scales faircast serves (which are the reference cast, above); a Megatron param
-    fused from checkpoint tensors is quantized per tensor, as a stack converting it to HF does. FSDP2's bf16 params
-    exist only inside its forward: that adapter is checked on the served FP8 only."""
+@pytest.mark.parametrize("job", ["verl_grid", "verl_dithered"])
+def test_verls_quantizer_returns_the_served_codes_from_the_grid_routes_bf16(adapter, job):
+    """The grid route under verl's rule: at install and after every step, verl's own quantizer, given the bf16
+    that ``served_weights(grid=True)`` yields (every adapter) and, with ``fp8_grid``, the gathered bf16 params
+    (DeepSpeed, Megatron: the same values; FSDP2's exist only inside its forward), returns the FP8 codes and scales
+    faircast serves (the reference cast, above). A Megatron param fused from checkpoint tensors is quantized per
+    tensor, as a stack converting it to HF does."""
     name, runs = adapter
-    if name == "fsdp2":
-        pytest.skip("FSDP2 unshards its bf16 params only inside the forward (the same core writes them)")
     from test_scale_rules import verl_quantizer
     quantizer = verl_quantizer()
-    snaps = runs["train/verl_grid"]["fp8"]
+    snaps = runs[f"train/{job}"]["fp8"]
     for k, snap in enumerate(snaps):
         weights = [n for n, t in snap["served"].items() if t.dtype == torch.float8_e4m3fn]
-        assert weights and sorted(snap["params"]) == sorted(weights)
-        for n in weights:
-            param, served = snap["params"][n].reshape(snap["served"][n].shape), snap["served"][n]
-            parts = (checkpoint_parts(n, param, 4, 4) if name == "megatron" else None) or [param]
-            got = [quantizer(p, [128, 128]) for p in parts]
-            want = (checkpoint_parts(n, served, 4, 4) if name == "megatron" else None) or [served]
-            scales = snap["served"][n[:-len("weight")] + "weight_scale_inv"]
-            assert all(torch.equal(bits(q), bits(w)) for (q, _), w in zip(got, want)), f"{name} export {k}: {n}"
-            assert torch.equal(bits(torch.cat([s.reshape(-1, scales.shape[1]) for _, s in got])), bits(scales)), \
-                f"{name} export {k}: {n} scales"
+        sources = {"grid": snap["grid"]}
+        if job == "verl_grid" and name != "fsdp2":
+            sources["params"] = snap["params"]
+            assert_same(snap["params"], snap["grid"], f"{name} export {k}: params and grid")
+        for source, tensors in sources.items():
+            assert weights and sorted(tensors) == sorted(weights), source
+            for n in weights:
+                value, served = tensors[n].reshape(snap["served"][n].shape), snap["served"][n]
+                parts = (checkpoint_parts(n, value, 4, 4) if name == "megatron" else None) or [value]
+                got = [quantizer(p, [128, 128]) for p in parts]
+                want = (checkpoint_parts(n, served, 4, 4) if name == "megatron" else None) or [served]
+                scales = snap["served"][n[:-len("weight")] + "weight_scale_inv"]
+                assert all(torch.equal(bits(q), bits(w)) for (q, _), w in zip(got, want)), f"{name} {source} {k}: {n}"
+                assert torch.equal(bits(torch.cat([s.reshape(-1, scales.shape[1]) for _, s in got])), bits(scales)), \
+                    f"{name} {source} export {k}: {n} scales"
 
 
 def test_every_export_draws_fresh_bits(adapter):
@@ -184,16 +194,20 @@ def test_every_export_draws_fresh_bits(adapter):
         assert_same(snap["served"], want, f"{name} export {k}")
 
 
-def test_resume_equals_uninterrupted(adapter):
-    """Error feedback saved after 2 steps and loaded into a new run: what is served at the load and after each
-    later step is the uninterrupted run's (FP8 bits, sticky scales, FP8 residuals), without a warning."""
+@pytest.mark.parametrize("saved", ["error_feedback", "verl_grid"])
+def test_resume_equals_uninterrupted(adapter, saved):
+    """Error feedback (and verl's rule with ``fp8_grid``) saved after 2 steps and loaded into a new run: what is
+    served at the load and after each later step is the uninterrupted run's (FP8 bits, scales, FP8 residuals; the
+    bf16 params holding the served values), without a warning."""
     name, runs = adapter
-    straight, resumed = runs["train/error_feedback"]["fp8"], runs["resume"]
+    straight, resumed = runs[f"train/{saved}"]["fp8"], runs["resume" if saved == "error_feedback" else f"resume/{saved}"]
     assert resumed["warnings"] == []
     assert [s["step"] for s in resumed["fp8"]] == list(range(SAVE_AFTER, STEPS + 1))
     for k, snap in enumerate(resumed["fp8"]):
         assert_same(snap["masters"], straight[SAVE_AFTER + k]["masters"], f"{name} masters at step {SAVE_AFTER + k}")
         assert_same(snap["served"], straight[SAVE_AFTER + k]["served"], f"{name} FP8 at step {SAVE_AFTER + k}")
+        if "params" in snap:  # (fp8_grid: the bf16 params hold the served values)
+            assert_same(snap["params"], straight[SAVE_AFTER + k]["params"], f"{name} params at step {SAVE_AFTER + k}")
 
 
 def test_a_bf16_checkpoint_sets_the_fp8_scales_afresh_with_its_warning(adapter):

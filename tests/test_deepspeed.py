@@ -14,7 +14,7 @@ import torch
 
 from ds_worker import PATHS, preset_state, run, run_jobs
 from ds_worker import tiny_model as ds_tiny_model
-from faircast_dist import FairCaster
+from faircast_dist import ExportCastConfig, FairCaster
 from helpers import bits
 from faircast_dist.delta import apply_deltas
 
@@ -25,7 +25,10 @@ METHODS = {"stochastic": SR, "error_feedback": EF, "dithered": DITHER}
 STEPS = 5
 FP8 = {"error_feedback": {**EF, "format": "fp8"},
        "dithered_block": {**DITHER, "format": "fp8", "fp8_scales": "block"},
-       "nearest_via_bf16": {"mode": "nearest", "format": "fp8", "fp8_via_bf16": True}}
+       "nearest_via_bf16": {"mode": "nearest", "format": "fp8", "fp8_via_bf16": True},
+       # the stacks' quantizers (faircast_dist.fp8.PRESETS)
+       "verl_stochastic": {"mode": "fair", "method": "stochastic", "seed": 7, "format": "fp8", "fp8_rule": "verl"},
+       "vllm_channel_ef": {**EF, "format": "fp8", "fp8_rule": "vllm-fp8-per-channel"}}
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-deepspeed-")
 JOBS: dict[int, dict] = {1: {}, 2: {}, 4: {}}  # world size -> {key: (phase, job)}
@@ -454,7 +457,7 @@ def test_fp8_drift_telemetry_reaches_deepspeed_csv_monitor():
     """With ``format "fp8"`` the monitor also gets the FP8 copy's numbers (``fp8_changed_fraction``, ``fp8_lag_steps``,
     ``fp8_gap_ulps``, ``fp8_rescales``): those of one FP8 DriftSample fed the gathered FP8 model, its scales and
     the masters, from the install-time cast on (ZeRO-2, DP 2, block scales)."""
-    from faircast_dist import ExportCastConfig, FairCaster
+    from faircast_dist import FairCaster
     from faircast_dist.fp8 import Fp8Export
     from faircast_dist.telemetry import DriftSample, reduce_drift, sample_stride
     import pathlib
@@ -515,7 +518,8 @@ def test_served_cli_writes_params_once_without_buffers(tmp_path):
 FP8_LAYOUTS = [("stage0", 1, "error_feedback"), ("zero2", 1, "dithered_block"), ("zero1", 2, "error_feedback"),
                ("bf16_optimizer", 2, "dithered_block"), ("offload2", 2, "error_feedback"),
                ("zero2", 4, "dithered_block"), ("zero3", 4, "error_feedback"), ("zero2", 2, "error_feedback"),
-               ("stage0", 2, "error_feedback"), ("zero3", 2, "error_feedback")]
+               ("stage0", 2, "error_feedback"), ("zero3", 2, "error_feedback"), ("zero1", 2, "verl_stochastic"),
+               ("zero2", 2, "vllm_channel_ef")]
 for _path, _world, _name in FP8_LAYOUTS:
     job(_world, ("fp8", _path, _name), path=_path, export_cast=FP8[_name], steps=STEPS)
 
@@ -533,7 +537,7 @@ def test_fp8_served_weights_are_the_single_process_reference(path, world, name):
     from helpers import reference_fp8
     records = fp8_trained(world, path, name)
     snaps = records[0]["fp8"]
-    scale = "weight_scale_inv" if name == "dithered_block" else "weight_scale"
+    scale = ExportCastConfig.from_value(FP8[name]).scale_rule.scale_name
     assert len(snaps) == STEPS + 1  # the Linear weights: FP8; the LayerNorm and biases: bf16
     assert list(snaps[0]["served"]) == [n for i in (0, 3, 5) for n in (f"{i}.weight", f"{i}.{scale}")]
     for k, (snap, ref) in enumerate(zip(snaps, reference_fp8(FP8[name], snaps))):

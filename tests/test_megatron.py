@@ -19,7 +19,7 @@ import tempfile
 import pytest
 import torch
 
-from faircast_dist.config import FP8_EXCLUDE
+from faircast_dist.config import FP8_EXCLUDE, ExportCastConfig
 from helpers import bits
 from megatron_worker import run
 
@@ -31,7 +31,11 @@ SAVE_AFTER, STEPS = 2, 4  # resume runs: save after 2 steps, compare steps 3 and
 # FP8 served weights (format "fp8"; Megatron: channel scales)
 FP8 = {"error_feedback": {**EF, "format": "fp8"}, "dithered": {**DITHER, "format": "fp8"},
        # 128x128 blocks of the checkpoint's q/k/v and gate/up tensors (the model: 4 heads, 4 query groups)
-       "block_dithered": {**DITHER, "format": "fp8", "fp8_scales": "block"}}
+       "block_dithered": {**DITHER, "format": "fp8", "fp8_scales": "block"},
+       # the stacks' quantizers (faircast_dist.fp8.PRESETS): recomputed block scales, codes multiplied (verl's);
+       # channel scales of vLLM's online per-channel quantizer
+       "verl_dithered": {**DITHER, "format": "fp8", "fp8_rule": "verl"},
+       "vllm_channel_stochastic": {**SR, "format": "fp8", "fp8_rule": "vllm-fp8-per-channel"}}
 
 _CKPT = tempfile.TemporaryDirectory(prefix="faircast-megatron-")
 CKPT = {name: os.path.join(_CKPT.name, name) for name in ("dp_ef", "dp_sr", "full_ef", "f16_ef", "overlap_ef", "moe_ef",
@@ -211,7 +215,7 @@ RESUMES = {
     (1, 2, 1): {"f16_ef_dp2_to_pp2": _resume("f16_ef", export_cast=EF, distopt=False)},
 }
 # FP8 on every layout (the other casts, resume at DP 2 and a bf16 checkpoint into FP8: tests/test_contract.py)
-FP8_LAYOUTS = ("error_feedback", "dithered", "block_dithered")
+FP8_LAYOUTS = ("error_feedback", "dithered", "block_dithered", "verl_dithered", "vllm_channel_stochastic")
 FP8_PARTIAL = {**FP8["dithered"], "fp8_exclude": FP8_EXCLUDE + r"|layers\.3\."}  # the last layer kept bf16
 RESUMES[(2, 1, 1)]["fp8_error_feedback_tp2"] = _resume("fp8_error_feedback", export_cast=FP8["error_feedback"],
                                                        distopt=True, sharding="fully_reshardable")
@@ -758,7 +762,7 @@ def _fp8_check(record, name):
     snaps = record["fp8"]
     assert snaps and all(s["served"] for s in snaps)
     config = ExportCastConfig.from_value(FP8[name])
-    refs = reference_fp8_fused(config, snaps, groups=4, heads=4) if config.fp8_scales == "block" \
+    refs = reference_fp8_fused(config, snaps, groups=4, heads=4) if config.scale_rule.granularity == "block" \
         else reference_fp8(config, snaps)
     for k, (snap, ref) in enumerate(zip(snaps, refs)):
         assert_same(snap["served"], ref, f"FP8 served weights, export {k}")
@@ -777,7 +781,7 @@ def test_fp8_served_weights_are_the_single_process_reference(name, layout):
     _fp8_check(record, name)
     assert record["mismatch"] == 0
     names = list(record["fp8"][0]["served"])
-    scale = "weight_scale_inv" if FP8[name].get("fp8_scales") == "block" else "weight_scale"
+    scale = ExportCastConfig.from_value(FP8[name]).scale_rule.scale_name
     assert f"decoder.layers.0.self_attention.linear_qkv.{scale}" in names
     assert not any("embedding" in n or "output_layer" in n or "norm" in n for n in names)
 
@@ -791,7 +795,7 @@ def test_moe_experts_are_served_as_fp8_at_every_expert_parallel_size(name, layou
     record = layout_run(layout)[f"moe_fp8_{name}_fixed"]
     _fp8_check(record, name)
     assert record["mismatch"] == 0
-    scale = "weight_scale_inv" if FP8[name].get("fp8_scales") == "block" else "weight_scale"
+    scale = ExportCastConfig.from_value(FP8[name]).scale_rule.scale_name
     names = set(record["fp8"][0]["served"])
     assert {f"decoder.layers.{layer}.mlp.experts.experts.{e}.{w}.{s}" for layer in range(4) for e in range(4)
             for w in ("linear_fc1", "linear_fc2") for s in ("weight", scale)} <= names

@@ -262,3 +262,19 @@ def test_fp8_grid_needs_a_recomputed_rule_and_says_so():
     state = ExportState({"mode": "nearest", "format": "fp8", "fp8_rule": "verl", "fp8_grid": True}, shapes=SHAPES)
     assert "the bf16 params of those weights hold the served FP8 values (fp8_grid): the trainer computes with them" \
         in fp8_note(state)
+
+
+def test_nearest_under_a_preset_changes_nothing_the_stack_serves():
+    """The meter: ``mode "nearest"`` with a preset leaves the bf16 params stock (round-to-nearest of the masters), and
+    the FP8 copy whose telemetry the monitor shows is, byte for byte, what the stack's quantizer serves from them."""
+    masters = masters_of(5)
+    state = ExportState({"mode": "nearest", "format": "fp8", "fp8_rule": "verl", "fp8_exclude": ""},
+                        shapes={n: tuple(m.shape) for n, m in masters.items()})
+    outs = {n: torch.empty(m.numel(), dtype=torch.bfloat16) for n, m in masters.items()}
+    pieces = [Shard(n, m.reshape(-1), outs[n], [(n, 0, m.numel(), 0)]) for n, m in masters.items()]
+    state.export(pieces)
+    full, quantizer = state.full_fp8(pieces), verl_quantizer()
+    for n, m in masters.items():
+        assert torch.equal(bits(outs[n]), bits(m.reshape(-1).bfloat16())), n
+        q, s = quantizer(outs[n].view(m.shape), [128, 128])
+        assert torch.equal(bits(full[n]), bits(q)) and torch.equal(bits(state.fp8.scales[n]), bits(s.reshape(-1, s.shape[1]))), n
