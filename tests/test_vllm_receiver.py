@@ -240,6 +240,10 @@ def test_a_failed_push_raises_and_the_engine_and_the_copy_never_disagree(arch_re
     # the worker raised after writing half the layers: rolled back, verified, still serving the copy
     assert f["raise"]["engine_state"] == "not updated" and "planted failure" in f["raise"]["error"]
     assert f["raise"]["copy_unchanged"] and f["raise"]["verified"] > 0
+    # the worker raised inside vLLM's reload, a fused layer half-loaded and the layers after it on the meta device
+    # (vLLM leaves them so): the reload is abandoned in the worker, then rolled back and verified
+    assert f["inside"]["engine_state"] == "not updated" and "planted failure inside" in f["inside"]["error"], f
+    assert f["inside"]["copy_unchanged"] and f["inside"]["verified"] > 0
     # the worker killed mid-push: raised at once (vLLM alone would wait forever), copy unchanged; a restarted
     # engine attached serves the copy, and the next push verifies
     assert f["die"]["engine_state"] == "unknown" and f["die"]["seconds"] < 10, f["die"]

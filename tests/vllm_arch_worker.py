@@ -6,9 +6,10 @@ Per architecture (tiny random models built here, head_dim 32): an engine started
 update to seed-1 weights, a sparse delta (where the host's CPU backend computes from live params) and a
 whole-layer delta; after each, ``verify()`` and vLLM's prompt log-probs against an fp32 Hugging Face forward of
 the weights the receiver holds. Then, on Llama (its engine runs tests/vllm_faults.py's extension): a push that
-fails in the worker, one whose worker is killed, and one that hangs, each followed by a check of what the engine
-and the receiver hold, and another engine of that checkpoint attached. On the MoE models, the experts' own traps
-(moe_run). An FP8 per-channel Llama engine (fp8_run). An untested architecture (Phi-3) must be refused by name.
+fails in the worker (after half the layers, and inside vLLM's reload), one whose worker is killed, and one that
+hangs, each followed by a check of what the engine and the receiver hold, and another engine of that checkpoint
+attached. On the MoE models, the experts' own traps (moe_run). An FP8 per-channel Llama engine (fp8_run). An
+untested architecture (Phi-3) must be refused by name.
 
 Every checkpoint is written first; then each engine starts in a thread while the ones before it are checked
 (:class:`Engines`: two starts at a time), and stops in a thread: a start or a stop is mostly waiting on the engine's
@@ -381,7 +382,7 @@ def faults(llm, receiver, engines: Engines, fault_file: str) -> tuple[dict, obje
     # Ctrl-C is simulated with _thread.interrupt_main, which does nothing while SIGINT is ignored, and a process
     # started in the background by a non-interactive shell (`make test &`) inherits SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for fault in ("raise", "slow", "die", "hang"):
+    for fault in ("raise", "inside", "slow", "die", "hang"):
         with open(fault_file, "w") as f:
             f.write(fault)
         if fault == "die":
@@ -405,7 +406,7 @@ def faults(llm, receiver, engines: Engines, fault_file: str) -> tuple[dict, obje
             case = {"error": "KeyboardInterrupt"}
         case["seconds"] = time.monotonic() - t0
         case["copy_unchanged"] = all(torch.equal(before[n], t) for n, t in receiver.weights.items())
-        if fault == "raise":  # the engine lives: it must serve the copy (the weights before the push)
+        if fault in ("raise", "inside"):  # the engine lives: it must serve the copy (the weights before the push)
             case["verified"] = receiver.verify()
         elif fault == "slow":  # the engine took the interrupted push, the copy did not: verify says so, and the
             time.sleep(4)      # next push rewrites those layers from the copy

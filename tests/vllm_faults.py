@@ -21,6 +21,14 @@ class FaultyExtension(FairCastWorkerExtension):
             fault = f.read().strip()
         os.unlink(path)
         buf = self._faircast_buffer(buffer)
+        if fault == "inside":
+            def half_then_fail():
+                for k, s in enumerate(specs):
+                    yield s[0], buf.view(s)
+                    if k >= len(specs) // 2 and s[0].endswith(("q_proj.weight", "gate_proj.weight")):
+                        break
+                raise RuntimeError("planted failure inside the reload")
+            compat.reload(self, half_then_fail())
         compat.reload(self, [(s[0], buf.view(s)) for s in specs[: max(1, len(specs) // 2)]])
         with open(path + ".pid", "w") as f:
             f.write(str(os.getpid()))

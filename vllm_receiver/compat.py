@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -282,11 +283,40 @@ def drop_gate_caches(m: torch.nn.Module) -> None:
             mod._combined_gate_weight = None
 
 
-def reload(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+def reload(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Rebuild the layers of ``weights`` (checkpoint names and format) in place: ``Worker.reload_weights``
-    (``model_loader/reload/inplace.py``), which repacks what the backend packs."""
+    (``model_loader/reload/inplace.py``), which repacks what the backend packs and quantizes what the engine
+    quantizes online. A reload that raises is abandoned (:func:`abandon_reload`) before the error goes on."""
     with quiet_partial_reload():
-        worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        try:
+            worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        except BaseException:
+            abandon_reload(model(worker))
+            raise
+
+
+def abandon_reload(m: torch.nn.Module) -> None:
+    """Put back what a reload that raised left half-done (vLLM 0.32 ``model_loader/reload/layerwise.py``).
+
+    ``initialize_layerwise_reload`` puts every layer's params on the meta device (model format) with loaders that
+    buffer the checkpoint tensors, keeping the live ("kernel") tensors in ``LAYERWISE_INFO[layer].kernel_tensors``;
+    a layer is rebuilt and copied into those tensors once all its elements arrived, and ``finalize_layerwise_reload``
+    puts the kernel tensors back on the layers that got none. A reload that raises never reaches the finalize: every
+    layer it had not completed stays on the meta device (every later forward or read fails), and the next reload
+    skips them (``info.can_load()``) and adds to their stale buffers. Here each such layer gets its kernel tensors
+    back, as the finalize does for a layer given no weights (``_place_kernel_tensors``), and its reload state is
+    reset (``LayerReloadingInfo.reset``); the layers the failed reload completed keep what it wrote."""
+    from vllm.model_executor.model_loader.reload import layerwise
+    if hasattr(m, "_original_do_torchao_reload"):
+        m._do_torchao_reload = m._original_do_torchao_reload
+    for layer in m.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
 
 
 def patch(worker, patches: list[tuple[str, tuple, torch.Tensor, torch.Tensor]], dt: torch.dtype) -> None:
