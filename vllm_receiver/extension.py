@@ -35,6 +35,16 @@ def digest(t: torch.Tensor, stored: bool = False) -> str:
     return hashlib.blake2b(t.view(bits).numpy().tobytes(), digest_size=16).hexdigest()
 
 
+def digest_fp8(codes: torch.Tensor, scales: torch.Tensor) -> str:
+    """BLAKE2b (16 bytes, hex) of an online FP8 tensor's codes (float8_e4m3fn ``[N, K]``) and scales (fp32 ``[N, 1]``),
+    all their bits as they are."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (codes, scales):
+        t = t.detach().contiguous().cpu()
+        h.update(t.view({1: torch.uint8, 4: torch.int32}[t.element_size()]).numpy().tobytes())
+    return h.hexdigest()
+
+
 class FairCastWorkerExtension:
     """Methods mixed into vLLM's worker class (``self`` is the worker). Each returns plain data."""
 
@@ -50,16 +60,25 @@ class FairCastWorkerExtension:
             ``fused``: ``{fused experts checkpoint name: [vLLM param name, shape]}`` (one tensor for all experts'
             gate/up or down, as transformers 5 names them); ``tied``, ``vocab``, ``embedding`` (the tied head's embedding module);
             ``in_place``: every linear computes from its live param (sparse patches land); ``dtype`` (the
-            engine's, name), ``tp``, ``pp``.
+            engine's, name), ``tp``, ``pp``; ``online``: the checkpoint weights of the linear layers the engine
+            quantizes online (:func:`compat.online_fp8`): each is a bf16 checkpoint tensor here, its layer's
+            ``weight_scale`` no checkpoint tensor at all (the engine computes it).
+
+        Raises:
+            ValueError: a layer quantized online in a way not served (:func:`compat.online_fp8`), naming it.
         """
         model = compat.model(self)
         packed = compat.packed_modules(model)
         modules, shapes, dtypes, fused, stored, vocab, embedding, in_place = {}, {}, {}, {}, [], None, None, True
+        online: list[str] = []
         for name, param in model.named_parameters():
             mod_name, _, leaf = name.rpartition(".")
             mod = model.get_submodule(mod_name)
             short = mod_name.rpartition(".")[2]
             linear, rows = compat.is_linear(mod), compat.vocab_rows(mod)
+            quantized_online = compat.online_fp8(mod, mod_name)
+            if quantized_online and leaf not in ("weight", "bias"):
+                continue  # weight_scale: the engine's own, from the bf16 weight it loads
             if linear and leaf == "weight" and (param.numel() == 0 or compat.is_fp8(param)):
                 in_place = False  # repacked, or FP8 held transposed: a sparse patch cannot land
             full = compat.linear_shape(mod, leaf) if linear else tuple(param.shape)
@@ -78,6 +97,10 @@ class FairCastWorkerExtension:
                     vocab, embedding = rows, mod_name
             for hf, rows in parts:
                 shapes[hf] = [rows, *full[1:]] if rows is not None else list(full)
+                if quantized_online and leaf == "weight":  # checkpoint: bf16; read back as codes and scales
+                    dtypes[hf] = dtype_name(compat.dtype(self))
+                    online.append(hf)
+                    continue
                 dtypes[hf] = dtype_name(compat.checkpoint_dtype(leaf, param, compat.dtype(self)))
                 if compat.read_as_stored(leaf, param):
                     stored.append(hf)
@@ -85,7 +108,8 @@ class FairCastWorkerExtension:
         tp, pp = compat.parallel_sizes(self)
         tied = bool(getattr(compat.hf_config(self), "tie_word_embeddings", False))
         return dict(modules=modules, shapes=shapes, dtypes=dtypes, fused=fused, stored=stored, tied=tied, vocab=vocab,
-                    embedding=embedding, in_place=in_place, dtype=dtype_name(compat.dtype(self)), tp=tp, pp=pp)
+                    embedding=embedding, in_place=in_place, dtype=dtype_name(compat.dtype(self)), tp=tp, pp=pp,
+                    online=online)
 
     def faircast_map(self, path: str, size: int, name: str, replaces: str | None) -> int:
         """Map a receiver's shared buffer ``name`` at ``path`` (:meth:`SharedBuffer.open`: only that memory file
@@ -111,24 +135,34 @@ class FairCastWorkerExtension:
     def faircast_read(self, buffer: str, layout: dict, names: list[str] | None, digests: bool) -> dict | list[Spec]:
         """The engine's effective checkpoint tensors ``names`` (None: all; with a tied head also ``lm_head.weight``,
         what the head computes with), read back through their kernels: ``{name: digest}``, or written into the
-        shared buffer named ``buffer`` and returned as specs."""
+        shared buffer named ``buffer`` and returned as specs. A weight quantized online (``layout["online"]``) is
+        read as its codes and scales: :func:`digest_fp8` of both, or two specs, ``name#codes`` (float8_e4m3fn
+        ``[N, K]``) and ``name#scales`` (fp32 ``[N, 1]``)."""
         tensors = self._faircast_effective(layout, None if names is None else set(names))
         if digests:
-            return {name: digest(t, name in layout["stored"]) for name, t in tensors}
-        return self._faircast_buffer(buffer).pack(tensors)
+            return {name: digest_fp8(*t) if isinstance(t, tuple) else digest(t, name in layout["stored"])
+                    for name, t in tensors}
+        return self._faircast_buffer(buffer).pack(
+            item for name, t in tensors
+            for item in (((f"{name}#codes", t[0]), (f"{name}#scales", t[1])) if isinstance(t, tuple) else ((name, t),)))
 
     def _faircast_effective(self, layout: dict, wanted: set | None):
+        """``(checkpoint name, what the engine computes with)``: a tensor, or for a weight quantized online its
+        ``(codes, scales)`` rows."""
         model = compat.model(self)
-        dt = getattr(torch, layout["dtype"])
+        dt, online = getattr(torch, layout["dtype"]), set(layout.get("online", ()))
         for mod_name, params in layout["modules"].items():
             mod = model.get_submodule(mod_name)
             for vname, parts in params:
                 if wanted is not None and not any(p in wanted for p, _ in parts):
                     continue
-                full = _effective(mod, vname.rpartition(".")[2], getattr(torch, layout["dtypes"][parts[0][0]]))
+                if parts[0][0] in online:  # the codes [N, K] and scales [N, 1] of the fused layer
+                    full = (compat.fp8_weight(mod), compat.online_scales(mod))
+                else:
+                    full = _effective(mod, vname.rpartition(".")[2], getattr(torch, layout["dtypes"][parts[0][0]]))
                 row = 0
                 for hf, rows in parts:
-                    piece = full[row: row + rows] if rows is not None else full
+                    piece = _rows(full, row, rows)
                     row += rows or 0
                     if wanted is None or hf in wanted:
                         yield hf, piece
@@ -181,6 +215,13 @@ class FairCastWorkerExtension:
             if repack_head:
                 compat.repack(compat.model(self).lm_head)
         return self._faircast_write(expect, write)
+
+
+def _rows(full, start: int, rows: int | None):
+    """Rows ``[start, start + rows)`` of a tensor, or of each tensor of a tuple; all of it where ``rows`` is None."""
+    if rows is None:
+        return full
+    return tuple(t[start: start + rows] for t in full) if isinstance(full, tuple) else full[start: start + rows]
 
 
 def _effective(mod, leaf: str, dt: torch.dtype) -> torch.Tensor:
