@@ -146,24 +146,3 @@ def test_tensor_parallel_engines_are_refused():
     layout = dict(dtype="bfloat16", tp=2, pp=1, shapes={}, dtypes={})
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         receiver._check(layout)
-
-
-def test_grid_weights_turns_served_fp8_into_the_bf16_an_online_engine_takes():
-    """``vllm_receiver.grid_weights``: FP8 weights and their ``weight_scale`` (in either order, any bf16 between)
-    become ``ScaleRule.grid`` of them, which the engine's quantizer returns as those codes and scales."""
-    from faircast_dist.fp8 import PRESETS
-
-    from vllm_receiver import grid_weights
-    rule = PRESETS["vllm-fp8-per-channel"]
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(16, 32, generator=g) * 0.02
-    w[3] = 0.0
-    codes, scales = rule.quantize(w)
-    emb = torch.randn(8, 32, generator=g).bfloat16()
-    served = [("a.weight_scale", scales), ("e.weight", emb), ("a.weight", codes)]
-    out = dict(grid_weights(served))
-    assert list(out) == ["e.weight", "a.weight"] and bits(out["e.weight"]).equal(bits(emb))
-    q, s = rule.quantize(out["a.weight"])
-    assert out["a.weight"].dtype == torch.bfloat16 and bits(q).equal(bits(codes)) and bits(s).equal(bits(scales))
-    with pytest.raises(ValueError, match="b.weight.*no weight_scale"):
-        list(grid_weights([("b.weight", codes)]))

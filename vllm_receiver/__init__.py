@@ -45,8 +45,8 @@ shared buffer (the size of the largest update, at least the model's), both in th
 weights to FP8 with a scale per output row whenever it loads them): the receiver holds and takes the bf16 checkpoint
 tensors, pushes whole fused layers (the engine quantizes them), and :meth:`VllmReceiver.verify` checks the engine's
 codes and scales against ``faircast_dist.fp8.PRESETS["vllm-fp8-per-channel"].quantize`` of the copy, bit for bit;
-:meth:`VllmReceiver.read_fp8` reads them; :func:`grid_weights` turns a Fair Cast FP8 export into the bf16 tensors
-whose quantization is its codes (``docs/vllm.md``). A reload that fails inside vLLM is abandoned in the worker
+:meth:`VllmReceiver.read_fp8` reads them; an adapter's ``served_weights(..., grid=True)`` yields a Fair Cast FP8
+export as the bf16 tensors whose quantization is its codes (``docs/vllm.md``). A reload that fails inside vLLM is abandoned in the worker
 (:func:`compat.abandon_reload`), so the roll-back can rewrite the touched layers.
 
 Scope: one engine with tensor and pipeline parallel size 1 on this host, bf16 (or fp32: an oracle served without
@@ -70,7 +70,7 @@ from vllm_receiver.extension import FairCastWorkerExtension, digest, digest_fp8
 from vllm_receiver.transport import SharedBuffer, aligned, nbytes, packed_size
 
 __all__ = ["VllmReceiver", "WORKER_EXTENSION", "FP8_CHANNEL_QUANTIZATION", "WeightMismatch", "EngineUpdateError",
-           "FairCastWorkerExtension", "grid_weights"]
+           "FairCastWorkerExtension"]
 
 #: what ``vllm.LLM(..., worker_extension_cls=...)`` takes for the receiver's worker side
 WORKER_EXTENSION = f"{FairCastWorkerExtension.__module__}.{FairCastWorkerExtension.__qualname__}"
@@ -134,7 +134,7 @@ class VllmReceiver:
             FP8 checkpoint's linear weights (``torch.float8_e4m3fn``) and their scales (``weight_scale``, fp32).
         online: the checkpoint names of the linear weights the engine quantizes online
             (``quantization="fp8_per_channel"``; empty otherwise): each is held and sent as its bf16 checkpoint tensor
-            (:func:`grid_weights` turns a Fair Cast FP8 export into them), the engine computes its FP8 codes and
+            (``served_weights(..., grid=True)`` yields a Fair Cast FP8 export as them), the engine computes its FP8 codes and
             scales (:meth:`read_fp8`), and :meth:`verify` checks those against faircast's preset of its quantizer.
         weights: ``{name: tensor}`` (each in the dtype the engine serves it in), the receiver's copy of the
             served model (host; what the engine serves once an update returns), in checkpoint (Hugging Face) names
@@ -425,7 +425,7 @@ class VllmReceiver:
         if name not in self.online:
             return ""
         return (f" (the engine quantizes it online, quantization={compat.ONLINE_FP8!r}: send the bf16 checkpoint "
-                f"tensor, e.g. vllm_receiver.grid_weights of FP8 codes and scales; NaN and Inf are refused there "
+                f"tensor, e.g. served_weights(..., grid=True) of a Fair Cast FP8 export; NaN and Inf are refused there "
                 f"even with allow_non_finite)")
 
     def _check_name(self, name: str) -> None:
@@ -605,44 +605,6 @@ class VllmReceiver:
         """Host bytes of the receiver's copy (2 per served element for bf16); the shared buffer is
         ``receiver.buffer.size`` more."""
         return sum(nbytes(t) for t in self.weights.values())
-
-
-def grid_weights(weights: Iterable[tuple[str, torch.Tensor]], rule: str = compat.ONLINE_FP8_RULE):
-    """What an engine quantizing online (``quantization="fp8_per_channel"``) takes, from what a Fair Cast FP8 export
-    serves (``export_cast`` ``format "fp8"``, ``fp8_rule "vllm-fp8-per-channel"``: ``served_weights`` of any adapter).
-
-    Args:
-        weights: ``(name, tensor)`` pairs: FP8 weights (float8_e4m3fn ``[N, K]``) each with its ``weight_scale``
-            (float32 ``[N, 1]``) anywhere in the stream, and bf16 tensors.
-        rule: the :data:`faircast_dist.fp8.PRESETS` name the export ran under.
-
-    Yields:
-        ``(name, tensor)``: each FP8 weight as bf16 ``ScaleRule.grid(codes, scales)`` ``[N, K]`` (once both came:
-        the engine's quantizer gives back exactly those codes and scales), the scales dropped, the rest as it comes.
-
-    Raises:
-        ValueError: an FP8 weight or a scale whose partner never came, naming it.
-    """
-    from faircast_dist.fp8 import PRESETS
-    r, pending = PRESETS[rule], {}
-    for name, t in weights:
-        if t.dtype == torch.float8_e4m3fn:
-            key = name
-        elif name.endswith("." + r.scale_name):
-            key = name.removesuffix(r.scale_name) + "weight"
-        else:
-            yield name, t
-            continue
-        if key not in pending:
-            pending[key] = t
-            continue
-        other = pending.pop(key)
-        yield key, r.grid(*((t, other) if t.dtype == torch.float8_e4m3fn else (other, t)))
-    if pending:
-        name, t = next(iter(pending.items()))
-        raise ValueError(f"vllm_receiver.grid_weights: {name!r} came with no {r.scale_name}" if t.dtype ==
-                         torch.float8_e4m3fn else f"vllm_receiver.grid_weights: {name.removesuffix('weight')}"
-                         f"{r.scale_name} came with no FP8 weight")
 
 
 @functools.cache
