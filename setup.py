@@ -12,7 +12,8 @@ setup(
     package_data={"faircast_dist": ["csrc/*.cpp"], "faircast_run": ["startup/sitecustomize.py"]},
     python_requires=">=3.10",
     entry_points={"console_scripts": ["faircast-served=deepspeed_hooks.served:main",
-                                      "faircast-run=faircast_run:main"]},
+                                      "faircast-run=faircast_run:main",
+                                      "faircast-fp8-grid=faircast_dist.fp8_grid:main"]},
     # torch is not pinned: install the build you want first (the Makefile installs torch==2.13.0).
     install_requires=["torch>=2.3", "numpy"],
     extras_require={
