@@ -285,8 +285,8 @@ PRESETS = {r.name: r for r in (
     ScaleRule("block", formula="amax/448", codes="reciprocal", amax_floor=1e-10, sticky=False, bf16=True,
               name="verl-triton", source="verl 0.9.1 verl/utils/kernel/fp8_kernel.py: _blockwise_cast_to_fp8_kernel "
                                          "(Triton; a cited copy, not run here: no GPU)"),
-    ScaleRule("channel", formula="amax/448", scale_floor=float(torch.tensor(1.0) / (torch.tensor(E4M3_MAX) * 512)),
-              sticky=False, bf16=True, name="vllm-fp8-per-channel",
+    ScaleRule("channel", formula="amax/448", sticky=False, bf16=True, name="vllm-fp8-per-channel",
+              scale_floor=float(torch.tensor(1.0, device="cpu") / (torch.tensor(E4M3_MAX, device="cpu") * 512)),
               source="vLLM 0.32 model_executor/layers/quantization/online/fp8.py: Fp8PtpcOnlineLinearMethod."
                      "process_weights_after_loading (_fp8_channel_scale, _fp8_quant_per_channel)"),
     ScaleRule("block", formula="amax/448.0", codes="reciprocal", amax_floor=1e-4, sticky=False, bf16=True,
