@@ -242,27 +242,41 @@ class ScaleRule:
         n, k = shape
         return scales.reshape(-1)[self.scale_index((n, k), 0, n * k, device=scales.device)].view(n, k)
 
-    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Round-to-nearest of a whole weight under this rule, with fresh scales: what the stack serves from it (a
-        one-process reference; a shard-aware export is :class:`Fp8Export`).
+    def scaled(self, weight: torch.Tensor, previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What round-to-nearest of a whole weight under this rule rounds: the weight over its scales (times the
+        multipliers), saturated at ±448, and the scales (a one-process reference; a shard-aware export is
+        :class:`Fp8Export`).
 
         Args:
             weight: ``[N, K]`` bf16 or fp32 (a :attr:`bf16` rule rounds it to bf16 first, as the stack does); for an
                 ``engine_fused`` rule, the engine's fused layer (its parts' rows one after the other).
+            previous: None (fresh scales), or float32 :meth:`scale_shape` scales a sticky rule keeps where they fit
+                (:meth:`next_scales`).
+
+        Returns:
+            ``(y, scales)``: float32 ``[N, K]`` and float32 :meth:`scale_shape`.
+        """
+        from faircast_dist.rounding import _scaled
+        shape = tuple(weight.shape)
+        x = weight.float().reshape(-1)
+        if self.bf16:  # (a non-finite element as it is, as cast_fp8_nearest(via_bf16=True))
+            x = torch.where(torch.isfinite(x), x.bfloat16().float(), x)
+        index = self.scale_index(shape, 0, x.numel(), device=x.device)
+        absmax = partial_absmax(x, index, math.prod(self.scale_shape(shape))).view(self.scale_shape(shape))
+        scales, mult, _ = self.next_scales(None if previous is None else previous.float().view(absmax.shape), absmax)
+        y = _scaled(x, scales.reshape(-1)[index], None if mult is None else mult.reshape(-1)[index])
+        return y.view(shape), scales
+
+    def quantize(self, weight: torch.Tensor, previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round-to-nearest of a whole weight under this rule: what the stack serves from it (:meth:`scaled`'s
+        arguments).
 
         Returns:
             ``(codes, scales)``: float8_e4m3fn ``[N, K]`` and float32 :meth:`scale_shape`.
         """
-        from faircast_dist.rounding import cast_fp8_nearest
-        shape = tuple(weight.shape)
-        x = weight.float().reshape(-1)
-        y = x.bfloat16().float() if self.bf16 else x
-        index = self.scale_index(shape, 0, x.numel(), device=x.device)
-        count = math.prod(self.scale_shape(shape))
-        scales, mult = self.factors(partial_absmax(y, index, count).view(self.scale_shape(shape)))
-        per = lambda t: t.reshape(-1)[index]  # noqa: E731
-        q = cast_fp8_nearest(x, per(scales), via_bf16=self.bf16, multiplier=None if mult is None else per(mult))
-        return q.view(shape), scales
+        from faircast_dist.rounding import e4m3_round
+        y, scales = self.scaled(weight, previous)
+        return e4m3_round(y), scales
 
     def grid(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """The served values ``q * s`` as bf16 (``[N, K]``): what a stack quantizing bf16 weights with this rule gets
@@ -461,7 +475,7 @@ def engine_layer(name: str) -> str:
     return name if m is None else m.group(1) + ("qkv_proj" if m.group(2) in "qkv" else "gate_up_proj")
 
 
-def _engine_part(name: str) -> int:
+def engine_part(name: str) -> int:
     """A part's place in its vLLM fused layer (q, k, v; gate, up)."""
     m = _ENGINE_PARTS.match(name)
     return 0 if m is None else ("q", "k", "v", "gate", "up").index(m.group(2)) % 3
@@ -539,7 +553,7 @@ class Fp8Export:
         if rule.granularity == "tensor":
             return {n: layer for layer, names in members.items() for n in names}
         for layer, names in members.items():  # blocks: the engine's fused rows [part 0; part 1; ...] unpadded
-            rows = [(n, self.shapes[n][0]) for n in sorted(names, key=_engine_part)]
+            rows = [(n, self.shapes[n][0]) for n in sorted(names, key=engine_part)]
             if len(names) == 1 and names[0] in self.fused:
                 rows = [(names[0], r) for r in self.fused[names[0]].part_rows]
             straddle = [n for n, r in rows[:-1] if r % BLOCK]

@@ -61,8 +61,8 @@ import sys
 
 import torch
 
-from faircast_dist.fp8 import BLOCK, PRESETS, _engine_part, engine_layer, partial_absmax
-from faircast_dist.rounding import E4M3_MAX, _scaled, e4m3_round
+from faircast_dist.fp8 import BLOCK, PRESETS, engine_part, engine_layer, partial_absmax
+from faircast_dist.rounding import E4M3_MAX, e4m3_round
 
 #: the rule a layout gets without ``--rule``: the stacks' recomputing quantizers of that layout
 DEFAULT_RULES = {"block": "verl", "channel": "vllm-fp8-per-channel", "tensor": "vllm-fp8-per-tensor"}
@@ -292,20 +292,8 @@ def rule_cast(rule_name: str, weight: torch.Tensor, previous: torch.Tensor | Non
         values, float32 ``[N, K]`` element scales.
     """
     rule = PRESETS[rule_name]
-    shape = tuple(weight.shape)
-    x = weight.float().reshape(-1)
-    if rule.bf16:  # a non-finite master as it is, as cast_fp8_nearest(via_bf16=True)
-        x = torch.where(torch.isfinite(x), x.bfloat16().float(), x)
-    index = rule.scale_index(shape, 0, x.numel(), device=x.device)
-    groups = rule.scale_shape(shape)
-    absmax = partial_absmax(x, index, math.prod(groups)).view(groups)
-    if rule.sticky and previous is not None:
-        scales, mult, _ = rule.next_scales(previous.float().reshape(groups), absmax)
-    else:
-        scales, mult = rule.factors(absmax)
-    s = scales.reshape(-1)[index]
-    y = _scaled(x, s, None if mult is None else mult.reshape(-1)[index])
-    return y.view(shape), e4m3_round(y).float().view(shape), s.view(shape)
+    y, scales = rule.scaled(weight, previous if rule.sticky else None)
+    return y, e4m3_round(y).float(), rule.element_scales(scales, tuple(weight.shape))
 
 
 def _quantiles(hist: torch.Tensor) -> dict[str, float | None]:
@@ -383,7 +371,7 @@ def report(checkpoint: str, masters: str | None = None, rule: str | None = None)
     total, total_hist = dict.fromkeys(fields, 0), torch.zeros(BINS, dtype=torch.int64, device="cpu")
     tensors = {}
     for (_, rule_name), keys in sorted(units.items()):
-        keys = sorted(keys, key=_engine_part)
+        keys = sorted(keys, key=engine_part)
         parts = []
         for key in keys:
             scale_key, layout = weights[key]
