@@ -91,8 +91,9 @@ class ScaleRule:
             * ``"448/amax"`` (verl's): a multiplier ``m = 448.0 / a`` (1 where ``a`` is 0), ``s = reciprocal(m)``,
               codes ``x * m``.
 
-            Then ``s`` is raised to ``scale_floor``; a group whose ``s`` is still 0 (all zeros, no floor) gets 2**-126
-            (its codes are 0; vLLM's own would serve NaN).
+            Then ``s`` is raised to ``scale_floor``; a group whose ``s`` is still below 2**-126 (all zeros, or a
+            maximum so small that ``448 / a`` or ``1 / s`` overflows) gets 2**-126 and the multiplier 2**126 (a
+            stack's own formula would serve NaN there).
         codes: ``"divide"`` (``q = x / s``, IEEE) or ``"reciprocal"`` (``q = x * (1.0 / s)``); ``"448/amax"``
             multiplies by its ``m``.
         amax_floor: ``a`` is raised to it first (verl's Triton ``eps`` 1e-10, vLLM's block ``clamp(1e-4)``).
@@ -190,12 +191,12 @@ class ScaleRule:
         if self.formula == "448/amax":  # verl's _scaled_fp8_blockwise_pytorch
             m = torch.div(E4M3_MAX, a)
             m = torch.where((a == 0) | (a == float("inf")), torch.ones_like(m), m)
-            return torch.reciprocal(m), m
+            return self._normal(torch.reciprocal(m), m)
         if self.formula == "tight":
             a = torch.clamp(a, min=E4M3_MAX * _MIN_SCALE)
-            if self.ue8m0:
+            if self.ue8m0:  # (at most 2**119: 448 * 2**120 is past fp32 max, a code >= 256 would serve Inf)
                 m, e = torch.frexp(a)  # a = m * 2**e, m in [0.5, 1); 448 = 0.875 * 2**9
-                s = torch.ldexp(torch.ones_like(a), torch.where(m <= 0.875, e - 9, e - 8))
+                s = torch.ldexp(torch.ones_like(a), torch.clamp(torch.where(m <= 0.875, e - 9, e - 8), max=119))
                 s = torch.where(torch.isfinite(a), s, a / E4M3_MAX)  # NaN / Inf stay what they are
             else:
                 s = a / E4M3_MAX
@@ -206,8 +207,16 @@ class ScaleRule:
             s = a / torch.tensor(E4M3_MAX, device=a.device) if self.formula == "amax/448" else a / E4M3_MAX
             if self.scale_floor:
                 s = s.clamp_min(self.scale_floor)
-            s = torch.where(s > 0, s, torch.full_like(s, _MIN_SCALE))
-        return s, (1.0 / s if self.codes == "reciprocal" else None)
+        return self._normal(s, 1.0 / s if self.codes == "reciprocal" else None)
+
+    @staticmethod
+    def _normal(s: torch.Tensor, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(s, m)`` with every scale below 2**-126 (0 for an all-zero group without a floor; subnormal, or 0 from
+        an overflowed multiplier, for a group whose maximum is tiny) set to 2**-126, its multiplier to 2**126: a
+        stack's own formula would serve NaN there (0 * Inf)."""
+        tiny = s < _MIN_SCALE  # (a NaN stays what it is)
+        s = torch.where(tiny, torch.full_like(s, _MIN_SCALE), s)
+        return s, None if m is None else torch.where(tiny, torch.full_like(m, 1 / _MIN_SCALE), m)
 
     def scales(self, absmax: torch.Tensor) -> torch.Tensor:
         """Fresh scales (:meth:`factors`' first)."""
@@ -323,7 +332,7 @@ def partial_absmax(y: torch.Tensor, scale_index: torch.Tensor, num_scales: int) 
 
     Args:
         y: float32 shard (what is cast, in the master's units), any shape.
-        scale_index: int64 tensor shaped like ``y`` (:meth:`Fp8Layout.scale_index`).
+        scale_index: int64 tensor shaped like ``y`` (:meth:`ScaleRule.scale_index`).
         num_scales: the number of scales of the whole weight.
 
     Returns:
@@ -500,8 +509,8 @@ class Fp8Export:
 
     Raises:
         ValueError: a fused param whose rows do not match its checkpoint tensors; under an ``engine_fused`` rule
-            (:class:`ScaleRule`), fused experts, or a block rule whose engine blocks would straddle two fused parts
-            (named).
+            (:class:`ScaleRule`), fused experts, a part of a vLLM fused layer kept bf16 while another is FP8, or a
+            block rule whose engine blocks would straddle two fused parts (named).
 
     Attributes:
         rule: the :class:`ScaleRule` (``config.scale_rule``: ``fp8_rule``, or ``fp8_scales`` / ``fp8_ue8m0``).
@@ -534,15 +543,21 @@ class Fp8Export:
             if f.rows != self.shapes[name][0]:
                 raise ValueError(f"export_cast FP8: {name!r} has {self.shapes[name][0]} rows, its fused checkpoint "
                                  f"tensors {f.part_rows} ({f.rows})")
-        self.groups = self._engine_groups() if self.rule.engine_fused else {}
+        self.groups = self._engine_groups(shapes) if self.rule.engine_fused else {}
         for name, f in self.fused.items():
             self.shapes[name] = (f.stack_rows(), self.shapes[name][1])
         self.scales: dict[str, torch.Tensor] = {}
         self.rescales = self.last_rescales = 0
 
-    def _engine_groups(self) -> dict[str, str]:
-        """:attr:`groups` of an ``engine_fused`` rule (and its checks, see Raises)."""
+    def _engine_groups(self, shapes: dict) -> dict[str, str]:
+        """:attr:`groups` of an ``engine_fused`` rule (and its checks, see Raises); ``shapes``: every param's."""
         rule = self.rule
+        kept = sorted(n for n in shapes if engine_layer(n) != n and n not in self.shapes
+                      and engine_layer(n) in {engine_layer(f) for f in self.shapes})
+        if kept:
+            raise ValueError(f"export_cast FP8: fp8_rule {rule.name!r} quantizes vLLM's fused layer "
+                             f"{engine_layer(kept[0])!r} whole, but {kept[0]!r} is kept bf16 (fp8_exclude): exclude "
+                             f"all of its parts, or none")
         if self.experts:
             raise ValueError(f"export_cast FP8: fp8_rule {rule.name!r} does not cover fused MoE experts "
                              f"{sorted(self.experts)[:2]} (vLLM's online FP8 MoE is not reproduced here): keep them "

@@ -42,7 +42,8 @@ Per tensor and in total (shares are fractions of the elements or scale groups):
   that rounding moves it up to 2**-8 of its value), 0 on a boundary, 0.25 on average for masters spread evenly
   between codes.
   The quantiles come from a histogram of 4096 bins over ``[0, 0.5]``: each is its bin's upper edge (to 1/8192
-  spacing, rounded up). Non-finite masters are counted (``nonfinite_masters``) and left out of the distance.
+  spacing, rounded up). Non-finite masters (and masters the rule's bf16 rounding makes infinite) are counted
+  (``nonfinite_masters``) and left out of the distance.
 
 The verdict is ``frozen`` when the median distance is at least 0.375 (halfway between evenly spread, 0.25, and on
 the grid, 0.5).
@@ -151,10 +152,15 @@ def block_size(checkpoint: Tensors) -> tuple[int, int]:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise Fp8GridError(f"{path!r}: not readable JSON ({e})") from e
-    size = (config.get("quantization_config") or {}).get("weight_block_size")
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(quant, (dict, type(None))):
+        raise Fp8GridError(f"{path!r}: config.json must be an object whose quantization_config is an object, got "
+                           f"{type(config).__name__ if not isinstance(config, dict) else repr(quant)}")
+    size = (quant or {}).get("weight_block_size")
     if size is None:
         return BLOCK, BLOCK
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(b, int) and b > 0 for b in size)):
+    if not (isinstance(size, list) and len(size) == 2 and
+            all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in size)):
         raise Fp8GridError(f"{path!r}: quantization_config.weight_block_size must be two positive ints, got {size!r}")
     return size[0], size[1]
 
@@ -392,7 +398,7 @@ def report(checkpoint: str, masters: str | None = None, rule: str | None = None)
             row += shape[0]
             group, count = group_index(layout, shape, blocks)
             amax = partial_absmax(q, group, count)  # NaN codes left out
-            finite = torch.isfinite(m)
+            finite = torch.isfinite(m) & torch.isfinite(y[rows])  # (a master bf16 rounds to Inf: left out too)
             d = boundary_distance(torch.where(finite, y[rows], 0.0), torch.where(finite, q_new[rows], 0.0))[finite]
             hist = torch.bincount((d * (2 * BINS)).long().clamp(max=BINS - 1), minlength=BINS)
             counts = {

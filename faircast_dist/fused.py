@@ -471,7 +471,8 @@ def fp8_absmax(masters: Sequence[torch.Tensor], segments, absmax: torch.Tensor,
                residuals: Sequence[torch.Tensor] | None = None, via_bf16: bool = False, backend: str = "auto") -> None:
     """Per scale, the largest finite ``|y|`` over the FP8 rows of many flat buffers, maxed into ``absmax`` in place
     (:func:`faircast_dist.fp8.partial_absmax` of every row, in one call): ``y`` is the master, ``bf16(master)``
-    with ``via_bf16``, ``master + residual`` with ``residuals`` (error feedback).
+    with ``via_bf16``, ``master + residual`` with ``residuals`` (error feedback; saturated at fp32 max where the
+    master is finite, as the cast saturates it).
 
     Args:
         masters: float32 1-D contiguous tensors (one device).
@@ -509,7 +510,8 @@ def fp8_absmax(masters: Sequence[torch.Tensor], segments, absmax: torch.Tensor,
         for tensor, start, numel, _, _, _, sidx in _fp8_rows_reference(table):
             y = masters[tensor].narrow(0, start, numel)
             if residuals is not None:
-                y = y + residuals[tensor].narrow(0, start, numel)
+                y = torch.where(torch.isfinite(y), torch.clamp(y + residuals[tensor].narrow(0, start, numel),
+                                                               -rounding._FP32_MAX, rounding._FP32_MAX), y)  # (as the cast)
             elif via_bf16:
                 y = y.to(torch.bfloat16).float()
             a = torch.where(torch.isfinite(y), y.abs(), torch.zeros((), dtype=y.dtype, device=y.device))

@@ -238,6 +238,8 @@ if available():
         else:
             y = b.to(tl.float32, bitcast=True)
         a = y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+        if Y == 2:  # a finite master whose master + residual overflows: fp32 max, where the cast saturates it
+            a = tl.where(((b & 0x7FFFFFFF) < 0x7F800000) & (a == 0x7F800000), 0x7F7FFFFF, a)
         a = tl.where(a < 0x7F800000, a, 0).to(tl.int32)
         tl.atomic_max(amax_ptr + _fp8_scale_index(g, s, seg_ptr), a, mask=mask)
 

@@ -191,7 +191,9 @@ def reference_fp8(config, snapshots, scales: dict | None = None) -> list[dict]:
                 continue
             x, shape = master.reshape(-1).float(), tuple(master.shape)
             r = residual.setdefault(name, torch.zeros_like(x))
-            y = x + r if caster.method == "error_feedback" else x.bfloat16().float() if config.fp8_round_bf16 else x
+            fmax = torch.finfo(torch.float32).max  # (error feedback: master + residual saturated, as the cast does)
+            y = torch.where(torch.isfinite(x), torch.clamp(x + r, -fmax, fmax), x) if caster.method == "error_feedback" \
+                else x.bfloat16().float() if config.fp8_round_bf16 else x
             index = layout.scale_index(shape, 0, x.numel())
             absmax = fp8.partial_absmax(y, index, index.max().item() + 1).view(layout.scale_shape(shape))
             scales[name], mult, _ = layout.next_scales(scales.get(name), absmax)

@@ -572,3 +572,19 @@ def test_fp8_bad_rows_and_arguments_are_named():
             fused.cast_fp8("nearest", x, out, [], torch.tensor([1.0, 1.0, bad]))
     with pytest.raises(ValueError, match=r"segment table must be \[S, 9\]"):
         fused.cast_fp8("nearest", x, out, [(0, 0, 10, 0, 0)], scales)
+
+
+@pytest.mark.parametrize("backend", FP8_BACKENDS)
+def test_fp8_absmax_counts_an_overflowed_master_plus_residual_as_fp32_max(backend):
+    """Error feedback's master + residual overflowing for a finite master counts as ±fp32 max in the absmax, where
+    the cast saturates it (it once counted as 0: a recomputed scale then left the master out, serving ~0 for it);
+    a non-finite master stays out."""
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([big, -big, 1.0, float("nan"), 2.0])
+    res = torch.tensor([big, -big, 0.0, 1.0, float("inf")])
+    absmax = torch.zeros(1)
+    fused.fp8_absmax([x], [(0, 0, 5, 0, 0, 0, 0, 5, 0)], absmax, [res], backend=backend)
+    assert float(absmax[0]) == big
+    absmax = torch.zeros(1)
+    fused.fp8_absmax([x[2:]], [(0, 0, 3, 0, 0, 0, 0, 3, 0)], absmax, [res[2:]], backend=backend)
+    assert float(absmax[0]) == big  # 2 + Inf: the finite master's y overflowed (an Inf residual: saturated too)

@@ -339,15 +339,17 @@ void fp8_run_mode(int64_t mode, bool via_bf16, const float* x, const uint16_t* r
   else fp8_run<F_NEAREST, false, MUL>(x, nullptr, nullptr, out, n, s, f);
 }
 
-// The largest finite |y| of n elements (fp8.py: partial_absmax): y = x, bf16(x) or x + res (Y_*). A max of the
-// magnitude bits (non-negative floats order as their patterns).
+// The largest finite |y| of n elements (fp8.py: partial_absmax): y = x, bf16(x) or x + res (Y_*; a finite x whose
+// x + res overflows counts as fp32 max, where error feedback's cast saturates it). A max of the magnitude bits
+// (non-negative floats order as their patterns).
 enum AbsY { Y_MASTER, Y_BF16, Y_RESIDUAL };
 template <int Y>
 float absmax_run(const float* __restrict x, const float* __restrict res, int64_t n) {
   uint32_t m = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float y = Y == Y_RESIDUAL ? x[i] + res[i] : (Y == Y_BF16 ? bf16_value(x[i]) : x[i]);
-    const uint32_t a = f2u(y) & MAG;
+    uint32_t a = f2u(y) & MAG;
+    if (Y == Y_RESIDUAL) a = sel(finite32(x[i]) & (a == INF), 0x7f7fffffu, a);  // saturated, as the cast does
     m = std::max(m, sel(a < INF, a, 0u));
   }
   return u2f(m);

@@ -1,5 +1,6 @@
-"""Break-it tests for the FP8 scale rules (faircast_dist.fp8.PRESETS), fp8_grid and faircast-fp8-grid: each one a
-finding of a review, failing until it is fixed (single process, CPU, a second each)."""
+"""Edge cases of the FP8 scale rules (faircast_dist.fp8.PRESETS), fp8_grid and faircast-fp8-grid that a review
+found failing (each test failed before its fix; single process, CPU, a second each): tiny groups, a vLLM fused
+layer kept part bf16, error feedback at fp32 max, odd masters and config.json in the grid meter."""
 import json
 
 import pytest
