@@ -1,5 +1,6 @@
 """The import direction docs/design.md promises ("Code layout"): the core imports no adapter, framework, engine or
-the launcher; the vLLM receiver imports none of ours and reads vLLM only in its compat module, inside functions."""
+the launcher; the vLLM receiver imports none of ours but the core's FP8 scale rules (what an online FP8 engine
+computes, written once), and reads vLLM only in its compat module, inside functions."""
 import ast
 import os
 
@@ -25,6 +26,8 @@ def imports(package: str):
                 else:
                     continue
                 for mod in mods:
+                    if package == "vllm_receiver" and mod == "faircast_dist.fp8" and id(node) not in top:
+                        continue  # (the scale rules, imported where an online FP8 engine is checked)
                     yield os.path.relpath(path, ROOT), mod.split(".")[0], id(node) in top
 
 
@@ -33,7 +36,7 @@ def test_the_core_imports_no_adapter_framework_or_engine():
     assert not bad, bad
 
 
-def test_the_receiver_imports_none_of_ours_and_vllm_only_inside_compat_functions():
+def test_the_receiver_imports_none_of_ours_but_the_scale_rules_and_vllm_only_inside_compat_functions():
     found = list(imports("vllm_receiver"))
     assert not [(f, m) for f, m, _ in found if m in {"faircast_dist"} | ADAPTERS - {"vllm_receiver"}]
     vllm = [(f, top) for f, m, top in found if m == "vllm"]
