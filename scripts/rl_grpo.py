@@ -31,8 +31,10 @@ p_trainer the trainer's forward on its bf16 model; no KL term. Task: reasoning-g
 expression's hash holds them out (:func:`held_out`; training and the warm start draw only the others), scored
 greedily with the served policy every ``--eval-every`` steps.
 
-Seed pairs: pair p uses seed ``--seed + p`` for every arm: prompt order, sampling RNG and the
-export-cast seed; the initial weights are the same for every pair and arm (the pretrained SmolLM2,
+Seed pairs: pair p uses seed ``--seed + p`` for every arm: its training problems (a stream of its own,
+:func:`stream_seed`; ``--streams shifted``: the stream of the seed itself, as before 2026-12-07), sampling RNG
+and the export-cast seed; the host's ISA goes to ``args.json`` (``--merge`` reports the hosts it joins); the
+initial weights are the same for every pair and arm (the pretrained SmolLM2,
 or one supervised warm start of the tiny model, cached in ``--out-dir``). The arms differ only by
 the cast. Declared before running (the paper's claim is that round-to-nearest's lag delays learning, so the
 primary metric measures speed): the **primary score** of an arm in a pair is its mean held-out accuracy over
@@ -110,6 +112,11 @@ def parse_args(argv=None):
                         f"only the changed elements; vllm engine only; the {ORACLE} arm always syncs full)")
     p.add_argument("--pairs", type=int, default=2, help="seed pairs (each runs every arm; the README's table: 25)")
     p.add_argument("--seed", type=int, default=0, help="pair p uses seed SEED + p")
+    p.add_argument("--streams", choices=STREAMS, default="independent",
+                   help="the training problems of pair seed s: independent (reasoning-gym's stream of a seed "
+                        "derived from s by sha256, so nearby seeds share no more problems than chance: "
+                        "stream_seed) or shifted (reasoning-gym's seed s itself, whose stream is s - 1's shifted by "
+                        "one problem: every folder run before 2026-12-07, read so by --merge)")
     p.add_argument("--init-seed", type=int, default=0,
                    help="tiny: seed of the initial weights and the warm start's data (the same for every pair, so "
                         "pairs split over launches with --seed start from the same policy)")
@@ -208,6 +215,39 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- policy and task
+STREAMS = ("independent", "shifted")
+
+
+def stream_seed(seed: int, streams: str = "independent") -> int:
+    """reasoning-gym's seed of pair seed ``seed``'s training problems. reasoning-gym draws item i of seed s as
+    ``Random(s + i)``, so seed s + 1's stream is seed s's shifted by one (pairs 600 and 601 shared 2,369 of 2,370
+    problems); ``"independent"`` takes the first 8 bytes of sha256 of ``"faircast-rl-stream:<seed>"`` (63 bits),
+    whose streams start ~2**62 apart: two pairs share a problem only as two random draws from the problem space
+    do. ``"shifted"``: ``seed`` itself (the folders run before 2026-12-07)."""
+    if streams == "shifted":
+        return seed
+    return int.from_bytes(hashlib.sha256(f"faircast-rl-stream:{seed}".encode()).digest()[:8], "little") >> 1
+
+
+def host_isa() -> dict:
+    """What this host's CPU computes with (the engines' scores depend on it): the model name, the vector
+    extensions among avx2, avx512f, avx512_bf16, amx_bf16, amx_tile, and torch's CPU kernel level."""
+    flags, model = set(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+                elif key.strip() == "model name" and not model:
+                    model = value.strip()
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"model": model, "flags": [f for f in wanted if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def held_out(entry: dict) -> bool:
     """Whether a chain_sum problem belongs to the held-out split: the first 8 bytes of sha256 of its expression
     (``"42 - 25"``), as an integer, are 0 mod :data:`HELD_OUT`. A property of the problem, not of the seed that
@@ -753,7 +793,7 @@ def summarize(records: list[dict], args, notes: list[str]) -> str:
 #: settings that may differ between launches merged into one summary (the pairs they ran)
 #: (init_sha, compared, names the starting policy, however it was made: warm-start settings or --init-weights)
 MERGE_FREE = ("seed", "pairs", "out_dir", "merge", "save_masters", "init_weights", "init_seed", "warm_steps", "warm_lr",
-              "warm_batch", "arms")
+              "warm_batch", "arms", "host_isa", "hosts", "hosts_unknown")
 _INTS = ("pair_seed", "step", "lag_steps", "gen_tokens", "payload_bytes", "engine_bytes")
 _STRS = ("arm", "rollout_sha", "master_sha", "master_eval_sha")
 
@@ -767,7 +807,7 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
             between folders, a pair seed run in two folders, or a pair that ran an arm without its baseline
             (:func:`rl.stats.baseline_of`).
     """
-    records, settings, seen, defaults = [], None, {}, vars(parse_args([]))
+    records, settings, seen, defaults, hosts = [], None, {}, vars(parse_args([])), []
     for i, d in enumerate(dirs):
         try:
             with open(os.path.join(d, "args.json")) as f:
@@ -776,8 +816,10 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
                 rows = list(csv.DictReader(f))
         except (FileNotFoundError, NotADirectoryError) as err:  # a file, say, from a glob over a merged folder
             raise SystemExit(f"--merge {d}: not a finished run's folder ({err.filename} is missing)")
-        # (a setting added after a folder was run is read as its default there)
+        # (a setting added after a folder was run is read as its default there; streams: as they were run then)
+        saved = {"streams": "shifted", **saved}
         fixed = {k: v for k, v in {**defaults, **saved}.items() if k not in MERGE_FREE}
+        hosts.append(saved.get("host_isa"))
         if settings is None:
             settings, first, first_fixed = saved, d, fixed  # the first folder's, free settings included
         for k in sorted(set(first_fixed) | set(fixed)):
@@ -797,6 +839,8 @@ def load_runs(dirs: list[str]) -> tuple[list[dict], dict]:
         if lacking:
             raise SystemExit(f"--merge: pair seed {seed} ({dirs[seen[seed]]}) ran {sorted(ran)} without "
                              f"{', '.join(lacking)}, what they are compared with")
+    known = {json.dumps(h, sort_keys=True) for h in hosts if h}
+    settings = {**settings, "hosts": sorted(known, key=len), "hosts_unknown": sum(h is None for h in hosts)}
     return records, settings
 
 
@@ -854,6 +898,12 @@ def main(argv=None) -> list[dict]:
                                        "arms": [a for a in ARMS if a in ran],
                                        "seed": min(r["pair_seed"] for r in records),
                                        "pairs": len({r["pair_seed"] for r in records})})
+        hosts = [json.loads(h) for h in settings["hosts"]]
+        print(f"--merge: {len(args.merge)} folders from {len(hosts)} host kind(s)"
+              + "".join(f"; {h['model'] or '?'} ({', '.join(h['flags']) or 'no avx2'}, torch {h['torch_cpu_capability']})"
+                        for h in hosts)
+              + (f"; {settings['hosts_unknown']} folder(s) ran before hosts were recorded" if settings["hosts_unknown"]
+                 else "") + (": the engines' scores depend on the ISA" if len(hosts) > 1 else ""))
         print("\n" + summarize(records, merged, run_notes(records, merged)))
         print(f"Wrote {os.path.abspath(args.out_dir)}/{{steps.csv,summary.csv,summary.md,curves.png}}")
         return records
@@ -876,6 +926,7 @@ def main(argv=None) -> list[dict]:
     if args.start_on_fp8_grid:
         start_on_fp8_grid(init_model, arm_export_cast("fp8_nearest", 0, args))
     args.init_sha = state_sha(init_model)
+    args.host_isa = host_isa()  # (args.json: --merge reports the hosts it joins)
     # started once per launch (vLLM: 20-60 s here, the engines side by side); every arm's first sync replaces its
     # weights; the oracle arm has an fp32 engine of its own
     dtypes = {arm: "float32" if arm == ORACLE else "fp8" if arm in FP8_ARMS else "bfloat16" for arm in args.arms}
@@ -887,7 +938,7 @@ def main(argv=None) -> list[dict]:
     bar = tqdm(total=args.pairs * len(args.arms) * args.steps, desc="GRPO", disable=rank != 0)
     for pair in range(args.pairs):
         seed = args.seed + pair
-        train_set = task.problems(args.steps * args.prompts * world, seed=seed)
+        train_set = task.problems(args.steps * args.prompts * world, seed=stream_seed(seed, args.streams))
         pair_records = []
         for arm in args.arms:
             pair_records += run_arm(args, task, init_model, rollouts[dtypes[arm]], arm, seed, train_set, eval_set,

@@ -641,3 +641,45 @@ def test_merge_summarizes_launches_as_one_run_and_refuses_mixed_settings(tmp_pat
     with open(tmp_path / "mixed" / "summary.csv") as f:
         pairs = {r["arm"]: r["pairs"] for r in csv.DictReader(f)}
     assert pairs == {"nearest": "2", "stochastic": "2", "error_feedback": "1", "fp32": "2"}
+
+
+def test_nearby_seeds_draw_independent_problem_streams():
+    """Pairs s and s + 1 train on streams that share no more problems than two random draws from the problem space
+    do (chain_sum, 4 terms of one digit: 80,000 expressions, about n**2 / 80,000 shared); the old ``shifted``
+    streams are reasoning-gym's seeds themselves, one problem apart (2,399 of 2,400 shared: the bug)."""
+    task = rl_grpo.Task("tiny")
+    n = 2400
+
+    def drawn(seed, streams):
+        return {e["metadata"]["expression"] for e in task.problems(n, seed=rl_grpo.stream_seed(seed, streams))}
+    chance = n * n / 80_000  # ~72
+    for s in (0, 600):
+        shared = len(drawn(s, "independent") & drawn(s + 1, "independent"))
+        assert shared < 3 * chance, f"seeds {s}, {s + 1}: {shared} shared problems (chance ~{chance:.0f})"
+    a, b = drawn(600, "shifted"), drawn(601, "shifted")
+    assert len(a & b) > 0.98 * min(len(a), len(b))
+    assert rl_grpo.stream_seed(600, "shifted") == 600 and rl_grpo.stream_seed(600) != rl_grpo.stream_seed(601)
+
+
+def test_merge_reads_old_folders_as_shifted_streams_and_reports_the_hosts(tmp_path, capsys):
+    """A folder without ``streams`` in its args.json ran shifted streams: merging it with an independent one is
+    refused by name; folders from two hosts merge, and the merge says which ISAs it joined."""
+    import json
+    fields = ["pair_seed", "arm", "step", "eval_acc"]
+
+    def folder(name, seed, **saved):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "args.json").write_text(json.dumps({**vars(rl_grpo.parse_args([])), "seed": seed, **saved}))
+        (d / "steps.csv").write_text(",".join(fields) + "\n" + f"{seed},nearest,0,40.0\n")
+        return str(d)
+    old = folder("old", 1)
+    args = json.loads((tmp_path / "old" / "args.json").read_text())
+    del args["streams"]
+    (tmp_path / "old" / "args.json").write_text(json.dumps(args))
+    host = lambda flags: {"model": "cpu", "flags": flags, "torch_cpu_capability": "AVX512"}  # noqa: E731
+    new = [folder("a", 2, host_isa=host(["avx512_bf16"])), folder("b", 3, host_isa=host(["amx_bf16"]))]
+    with pytest.raises(SystemExit, match="old ran with streams='shifted', .* with 'independent'"):
+        rl_grpo.load_runs([new[0], old])
+    _, settings = rl_grpo.load_runs(new)
+    assert len(settings["hosts"]) == 2 and settings["hosts_unknown"] == 0
