@@ -516,6 +516,9 @@ class Fp8Export:
         rule: the :class:`ScaleRule` (``config.scale_rule``: ``fp8_rule``, or ``fp8_scales`` / ``fp8_ue8m0``).
         groups: ``{name: group}`` of the params whose scales are one (an ``engine_fused`` tensor rule: vLLM's
             ``qkv_proj`` over q, k, v), by :func:`engine_layer`; a param absent has its own.
+        slots: ``{name: (offset, numel)}`` of each FP8 param's scales in :meth:`flat_scales` and in the absmax
+            buffer, in :attr:`shapes` order; the params of one group share theirs.
+        members: ``{first param of a slot: the params sharing it}``, in slot order.
         shapes: ``{name: (N, K)}`` of the FP8 params as cast, in sorted name order (the order of every
             collective); a fused param's ``N`` is its stack's (:meth:`FusedRows.stack_rows`); fused experts
             ``[E, N, K]`` are cast as ``[E*N, K]``.
@@ -546,6 +549,7 @@ class Fp8Export:
         self.groups = self._engine_groups(shapes) if self.rule.engine_fused else {}
         for name, f in self.fused.items():
             self.shapes[name] = (f.stack_rows(), self.shapes[name][1])
+        self.slots, self.members = self._slot_table()
         self.scales: dict[str, torch.Tensor] = {}
         self.rescales = self.last_rescales = 0
 
@@ -586,36 +590,27 @@ class Fp8Export:
             return name[:-len("weight")] + self.rule.scale_name
         return name + self.rule.scale_name[len("weight"):]
 
-    def slots(self) -> dict[str, tuple[int, int]]:
-        """``{name: (offset, numel)}`` of each FP8 param's scales in :meth:`flat_scales` (and in the absmax buffer),
-        in :attr:`shapes` order; the params of one group (:attr:`groups`) share theirs."""
-        out, first, offset = {}, {}, 0
+    def _slot_table(self) -> tuple[dict[str, tuple[int, int]], dict[str, list[str]]]:
+        """:attr:`slots` and :attr:`members` (fixed once the FP8 params and their groups are known)."""
+        slots, members, leader, offset = {}, {}, {}, 0
         for name, shape in self.shapes.items():
-            group = self.groups.get(name, name)
-            if group not in first:
-                first[group] = (offset, math.prod(self.rule.scale_shape(shape)))
-                offset += first[group][1]
-            out[name] = first[group]
-        return out
+            first = leader.setdefault(self.groups.get(name, name), name)
+            if first == name:
+                slots[name], members[name] = (offset, math.prod(self.rule.scale_shape(shape))), []
+                offset += slots[name][1]
+            slots[name] = slots[first]
+            members[first].append(name)
+        return slots, members
 
     def scale_offsets(self) -> dict[str, int]:
         """``{name: offset}`` of each FP8 param's scales in :meth:`flat_scales` (and in the absmax buffer)."""
-        return {name: offset for name, (offset, _) in self.slots().items()}
-
-    def _leaders(self) -> list[str]:
-        """The first param of each slot, in slot order."""
-        seen, out = set(), []
-        for name, slot in self.slots().items():
-            if slot not in seen:
-                seen.add(slot)
-                out.append(name)
-        return out
+        return {name: offset for name, (offset, _) in self.slots.items()}
 
     def flat_scales(self, device=None) -> torch.Tensor:
-        """Every slot's scales (:meth:`slots`), one after the other: float32 1-D on ``device``."""
+        """Every slot's scales (:attr:`slots`), one after the other: float32 1-D on ``device``."""
         if not self.scales:
             return torch.zeros(0, dtype=torch.float32, device=device)
-        return torch.cat([self.scales[n].reshape(-1) for n in self._leaders()]).to(device)
+        return torch.cat([self.scales[n].reshape(-1) for n in self.members]).to(device)
 
     def runs(self, runs) -> list[tuple[str, int, int, int]]:
         """The FP8 params' runs among a shard's ``runs`` (``(name, start, numel, index)``), with global indices as
@@ -649,8 +644,7 @@ class Fp8Export:
         then keeps the same scales (:meth:`ScaleRule.next_scales`) and casts its elements with them: two fused calls
         over every run (:func:`faircast_dist.fused.fp8_absmax`, :func:`faircast_dist.fused.cast_fp8`).
         """
-        config, method, rule = self.caster.config, self.caster.method, self.rule
-        slots = self.slots()
+        config, method, rule, slots = self.caster.config, self.caster.method, self.rule, self.slots
         held = [s for s in shards if any(name in self.shapes for name, *_ in s.runs)]
         device = held[0].master.device if held else shards[0].master.device if shards else torch.device("cpu")
         rows = []
@@ -662,18 +656,16 @@ class Fp8Export:
         masters = [s.master for s in held]
         residuals = [s.fp8_residual for s in held] if method.needs_residual else None
         via_bf16 = config.fp8_round_bf16
-        absmax = torch.zeros(sum(n for _, n in set(slots.values())), dtype=torch.float32, device=device)
+        absmax = torch.zeros(sum(slots[n][1] for n in self.members), dtype=torch.float32, device=device)
         fused.fp8_absmax(masters, table, absmax, residuals, via_bf16=via_bf16, backend=backend)
         if reduce_max is not None:
             reduce_max(absmax)
-        self.last_rescales, multipliers, members = 0, [], {}
-        for name, (offset, _) in slots.items():
-            members.setdefault(offset, []).append(name)
-        for name in self._leaders():
+        self.last_rescales, multipliers = 0, []
+        for name, members in self.members.items():
             (offset, numel), shape = slots[name], self.rule.scale_shape(self.shapes[name])
             previous = self.scales.get(name)
             scales, mult, changed = rule.next_scales(previous, absmax.narrow(0, offset, numel).view(shape))
-            for member in members[offset]:
+            for member in members:
                 self.scales[member] = scales
             multipliers.append(mult)
             if previous is not None:

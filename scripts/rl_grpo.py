@@ -71,7 +71,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fair_demo_common import METHODS, SMOLLM2_GGUF, TINY_LLAMA, export_cast_config
-from rl.engines import (RolloutEngine, VllmEngine, channel_nearest, check_synced, flat_bits, served_values,
+from rl.engines import (RolloutEngine, VllmEngine, check_synced, flat_bits, served_values,
                         sync_weights)
 from rl.stats import (BASELINE, FP8_BASELINE, arm_mean, arm_scores, baseline_of, compare_arms, compare_formats,
                       fitted_delay, lag_peak, mean_curves, reward_rise)
@@ -376,7 +376,7 @@ def start_on_fp8_grid(model, export_cast: dict) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if fp8_param(config, name, tuple(p.shape)):
-                q, s = channel_nearest(p.detach().float(), layout)
+                q, s = layout.quantize(p.detach().float())
                 p.copy_((q.float() * s).to(torch.bfloat16))
 
 

@@ -71,16 +71,21 @@ def test_an_engine_group_with_an_excluded_part_is_refused(rule, excluded):
         ExportState(config, shapes=shapes)
 
 
+def error_feedback_at_fp32_max(rule: str, shape: tuple[int, int], masters: torch.Tensor):
+    """An error-feedback export state under ``rule`` and one shard of ``masters`` with element [0, 0] at fp32 max."""
+    masters[0, 0] = torch.finfo(torch.float32).max
+    state = ExportState({"mode": "fair", "method": "error_feedback", "format": "fp8", "fp8_rule": rule,
+                         "fp8_exclude": ""}, shapes={DOWN: shape})
+    return state, shards_of({DOWN: masters}, cuts=1)[0]
+
+
 def test_nonsticky_error_feedback_keeps_a_huge_master_in_its_scale():
     """Error feedback under verl's rule (scales recomputed every export) with a master of 3.4e38 (finite): after
     the first export master + residual overflows, fp8_absmax leaves it out (not finite) while the cast saturates it
     at fp32 max, so the block's scale is set from the other elements: the master is served as ~0.16 and its residual
     pinned at 3.4e38 for good. Should: the absmax see the saturated value, as the cast does."""
-    m = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 0.02
-    m[0, 0] = torch.finfo(torch.float32).max
-    state = ExportState({"mode": "fair", "method": "error_feedback", "format": "fp8", "fp8_rule": "verl",
-                         "fp8_exclude": ""}, shapes={DOWN: tuple(m.shape)})
-    pieces, _ = shards_of({DOWN: m}, cuts=1)
+    state, pieces = error_feedback_at_fp32_max(
+        "verl", (4, 300), torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 0.02)
     for _ in range(3):
         state.export(pieces)
         served = state.full_fp8(pieces)[DOWN].float()[0, 0] * state.fp8.scales[DOWN].reshape(-1)[0]
@@ -92,11 +97,7 @@ def test_ue8m0_error_feedback_at_fp32_max_stays_finite():
     2**120, the code 256, and q * s = 2**128 overflows: the served value is Inf, the residual -Inf, and the next
     export serves -256 (sign flipped), alternating. cast_fp8_error_feedback's docstring: for a finite master, q and
     the residual stay finite."""
-    m = torch.zeros(4, 128)
-    m[0, 0] = torch.finfo(torch.float32).max
-    state = ExportState({"mode": "fair", "method": "error_feedback", "format": "fp8", "fp8_rule": "deepseek-ue8m0",
-                         "fp8_exclude": ""}, shapes={DOWN: tuple(m.shape)})
-    pieces, _ = shards_of({DOWN: m}, cuts=1)
+    state, pieces = error_feedback_at_fp32_max("deepseek-ue8m0", (4, 128), torch.zeros(4, 128))
     for _ in range(2):
         state.export(pieces)
         q = state.full_fp8(pieces)[DOWN].float()[0, 0]

@@ -226,14 +226,6 @@ class VllmEngine:
                 for o in outs]
 
 
-def channel_nearest(w: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest E4M3 of fp32 ``w`` ``[N, K]`` with fresh scales of ``layout`` (a channel
-    :class:`faircast_dist.fp8.ScaleRule`) per output row: ``(float8_e4m3fn [N, K], float32 scale [N, 1])``."""
-    from faircast_dist.rounding import cast_fp8_nearest
-    scale = layout.scales(w.abs().amax(1, keepdim=True))
-    return cast_fp8_nearest(w, scale.expand_as(w).contiguous()), scale
-
-
 def save_checkpoint(model, path: str, fp8: bool = False) -> str:
     """Write ``model`` as a bf16 Hugging Face folder (config.json + model.safetensors) that vLLM loads; returns
     ``path``. (``save_pretrained`` refuses a model loaded from GGUF: it counts as quantized.) With ``fp8``, the
@@ -251,7 +243,7 @@ def save_checkpoint(model, path: str, fp8: bool = False) -> str:
     for n, p in model.named_parameters():
         w = p.detach().float()
         if fp8 and fp8_param(config, n, tuple(w.shape)):
-            tensors[n], tensors[n.removesuffix("weight") + layout.scale_name] = channel_nearest(w, layout)
+            tensors[n], tensors[n.removesuffix("weight") + layout.scale_name] = layout.quantize(w)
         else:
             tensors[n] = w.to(torch.bfloat16).contiguous()
     if fp8:
